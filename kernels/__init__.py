@@ -1,0 +1,1 @@
+"""Fused kernels for the SDE step and its log-probability (installed as stepfast.kernels)."""

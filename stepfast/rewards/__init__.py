@@ -1,0 +1,90 @@
+"""Rewards: a registry of scorers with one batched interface.
+
+    reward = stepfast.rewards.load("shapes")
+    out = reward.score(images, prompts, metadata=None)   # dict[str, Tensor], always with "score"
+
+`images` is a batch in any of the forms `stepfast.rewards.images.to_uint8` accepts (PIL images,
+uint8 arrays [B, H, W, 3], float tensors [B, 3, H, W] in [0, 1] or [-1, 1]); `prompts` a list of
+strings; `metadata` optional per-prompt dicts (GenEval metadata). Every value of the returned dict is
+a tensor of shape [B]; "score" is the scalar reward the trainer maximises.
+
+Rewards are looked up by name in REGISTRY ("module:attribute" strings, imported on first use so
+that heavy dependencies load only when asked for), or given as an import path "pkg.module:attr" that
+names a reward class, a factory, or a plain function `fn(images, prompts, metadata) -> dict | Tensor`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+class Reward(Protocol):
+    def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]: ...
+
+
+#: name -> "module:attribute" of a class or factory called with the reward's options.
+REGISTRY: dict[str, str] = {
+    "shapes": "stepfast.rewards.shapes:ShapesReward",
+}
+
+
+def register(name: str, target: str | Callable[..., Any]) -> None:
+    """Register a reward under `name`: an import path "module:attr" or a class/factory."""
+    REGISTRY[name] = target
+
+
+def _import(path: str):
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"reward import path {path!r} must look like 'package.module:attribute'")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"cannot import reward module {module!r} (from {path!r}): {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"module {module!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+class FunctionReward:
+    """Adapts a plain function fn(images, prompts, metadata) -> dict | Tensor to the interface."""
+
+    def __init__(self, fn: Callable[..., Any], name: str):
+        self.fn, self.name = fn, name
+
+    def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
+        out = self.fn(images, prompts, metadata)
+        if not isinstance(out, dict):
+            out = {"score": out}
+        if "score" not in out:
+            raise ValueError(f"reward {self.name!r} returned keys {sorted(out)} without 'score'")
+        return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
+
+
+def load(name: str, **options) -> Reward:
+    """The reward registered as `name` (or at import path "module:attr"), built with `options`."""
+    if name in REGISTRY:
+        target = REGISTRY[name]
+    elif ":" in name:
+        target = name
+    else:
+        raise ValueError(
+            f"unknown reward {name!r}: registered rewards are {', '.join(sorted(REGISTRY))}; "
+            "a custom reward is given as 'package.module:attribute'"
+        )
+    obj = _import(target) if isinstance(target, str) else target
+    if isinstance(obj, type):
+        return obj(**options)
+    if not callable(obj):
+        raise TypeError(f"reward {name!r} resolves to {obj!r}, which is neither a class nor a function")
+    if options:  # a factory: called with the options, it must return a reward
+        built = obj(**options)
+        if not hasattr(built, "score"):
+            raise TypeError(f"reward factory {name!r} returned {type(built).__name__}, which has no score()")
+        return built
+    return FunctionReward(obj, name)

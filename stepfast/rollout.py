@@ -1,0 +1,139 @@
+"""Trajectories and their clean-image estimates, for any velocity model.
+
+A velocity model is a callable `velocity(x, t) -> v` with x [B, ...] and per-sample times t [B]. The
+trainer wraps a diffusers transformer (with its prompt embeddings and CFG) into one; tests use small
+MLPs. Nothing here knows about prompts, rewards or the optimiser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import sde
+
+Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Trajectory:
+    """T steps of a sampler from the times grid[0] > ... > grid[T] for a batch of B samples.
+
+    states[j] is x at grid[j] (states[0] the initial noise, states[T] the final sample);
+    velocities[j] the model's velocity at states[j]; log_probs[j] the log-probability of the
+    transition states[j] -> states[j + 1] under the sampling policy (0 where the step is
+    deterministic, see `trained`); trained[j] whether step j is stochastic.
+    """
+
+    states: torch.Tensor  # [T + 1, B, ...]
+    velocities: torch.Tensor  # [T, B, ...]
+    log_probs: torch.Tensor  # [T, B] (or [T, B, tokens])
+    grid: torch.Tensor  # [T + 1]
+    trained: torch.Tensor  # [T] bool
+
+    @property
+    def num_steps(self) -> int:
+        return self.velocities.shape[0]
+
+
+@torch.no_grad()
+def sample_trajectory(
+    velocity: Velocity,
+    x_init: torch.Tensor,
+    grid: torch.Tensor,
+    kind: str = "ddim",
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sde_window: tuple[int, int] | None = None,
+    convention: str = "gaussian",
+    reduce: str = "mean",
+    patch_size: int | None = None,
+    **params,
+) -> Trajectory:
+    """Run the sampler from x_init along `grid`, keeping every state, velocity and old log-prob.
+
+    noise: optional [T, B, ...] step noises (otherwise drawn from `generator`). sde_window=(a, b):
+    only steps a <= j < b use `kind`; the others are ODE steps (Flow-GRPO's fast presets).
+    """
+    grid = torch.as_tensor(grid, dtype=torch.float32)
+    steps = grid.numel() - 1
+    window = range(steps) if sde_window is None else range(*sde_window)
+    stochastic = ~sde.degenerate_steps(kind, grid, **params)
+    trained = torch.tensor([j in window and bool(stochastic[j]) for j in range(steps)])
+    x = x_init.float()
+    b = x.shape[0]
+    states, velocities, log_probs = [x], [], []
+    for j in range(steps):
+        t = grid[j].expand(b).to(x.device)
+        s = grid[j + 1].expand(b).to(x.device)
+        v = velocity(x, t).float()
+        step_kind, step_params = (kind, params) if j in window else ("ode", {})
+        out = sde.step(step_kind, x, v, t, s, noise=None if noise is None else noise[j],
+                       generator=generator, **step_params)
+        if trained[j]:
+            lp = sde.log_prob(out.sample, out.mean, out.std, convention, reduce, patch_size)
+        else:
+            lp = torch.zeros(sde_logprob_shape(x, reduce, patch_size), device=x.device)
+        x = out.sample
+        states.append(x)
+        velocities.append(v)
+        log_probs.append(lp)
+    return Trajectory(
+        states=torch.stack(states),
+        velocities=torch.stack(velocities),
+        log_probs=torch.stack(log_probs),
+        grid=grid,
+        trained=trained,
+    )
+
+
+def sde_logprob_shape(x: torch.Tensor, reduce: str, patch_size: int | None) -> tuple[int, ...]:
+    if reduce == "tokens":
+        return (x.shape[0], (x.shape[-2] // patch_size) * (x.shape[-1] // patch_size))
+    return (x.shape[0],)
+
+
+@torch.no_grad()
+def estimate_clean_images(
+    velocity: Velocity,
+    states: torch.Tensor,
+    t: torch.Tensor,
+    substeps: int,
+    first_velocity: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clean estimates x0_hat of states [M, ...] at per-sample times t [M] by `substeps` Euler (ODE)
+    substeps from t to 0, all M states as ONE batch per substep.
+
+    Substep i goes from t (1 - i / T') to t (1 - (i + 1) / T'). substeps = 1 is the one-step Tweedie
+    estimate x_t - t v. The first substep reuses `first_velocity` (the rollout's velocity at the
+    same state and time) when given, so T' substeps cost T' - 1 forward passes.
+    """
+    if substeps < 1:
+        raise ValueError(f"substeps must be >= 1, got {substeps}")
+    x = states.float()
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1)
+    for i in range(substeps):
+        t_i = t * (1 - i / substeps)
+        t_next = t * (1 - (i + 1) / substeps)
+        v = first_velocity if (i == 0 and first_velocity is not None) else velocity(x, t_i)
+        x = sde.step("ode", x, v, t_i, t_next).sample
+    return x
+
+
+def trajectory_estimates(velocity: Velocity, traj: Trajectory, substeps: int) -> torch.Tensor:
+    """Clean estimates of every intermediate state of a trajectory, plus its final sample:
+    [T + 1, B, ...] in sampling order (column 0: the estimate at the initial noise; column T: the
+    final sample), the images whose rewards feed `stepfast.credit.compute_advantages`."""
+    steps, b = traj.num_steps, traj.states.shape[1]
+    shape = traj.states.shape[2:]
+    t = traj.grid[:-1].to(traj.states.device).repeat_interleave(b)
+    est = estimate_clean_images(
+        velocity,
+        traj.states[:-1].reshape(steps * b, *shape),
+        t,
+        substeps,
+        first_velocity=traj.velocities.reshape(steps * b, *shape),
+    )
+    return torch.cat([est.reshape(steps, b, *shape), traj.states[-1:]], dim=0)
