@@ -1,0 +1,92 @@
+"""Prompt files in Flow-GRPO's formats.
+
+* `.txt`: one prompt per line; blank lines are skipped (Flow-GRPO's `TextPromptDataset`).
+* `.jsonl`: GenEval metadata (Flow-GRPO's `GenEvalPromptDataset`, files named
+  `*_metadata.jsonl`): one JSON object per line holding at least a "prompt" string; the whole
+  object is the prompt's metadata, handed to rewards that read it (GenEval, ShapeEval).
+* "shapeeval:train", "shapeeval:test": the ShapeEval metadata files shipped with stepfast.
+
+Bad input raises an error that names the file, the line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepfast.data.shapeeval import TEST_METADATA, TRAIN_METADATA
+
+#: Names accepted in place of a path.
+NAMED_PROMPT_FILES: dict[str, Path] = {"shapeeval:train": TRAIN_METADATA, "shapeeval:test": TEST_METADATA}
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt, with its metadata record when the file carries one (GenEval JSONL)."""
+
+    prompt: str
+    metadata: dict | None = None
+
+
+def resolve_prompt_file(path_or_name: str | Path) -> Path:
+    """The file behind a path or one of NAMED_PROMPT_FILES."""
+    if isinstance(path_or_name, str) and path_or_name in NAMED_PROMPT_FILES:
+        return NAMED_PROMPT_FILES[path_or_name]
+    if isinstance(path_or_name, str) and path_or_name.startswith("shapeeval:"):
+        raise ValueError(f"unknown prompt set {path_or_name!r}: named sets are {', '.join(NAMED_PROMPT_FILES)}")
+    return Path(path_or_name)
+
+
+def _lines(path: Path):
+    """(line number, text) of each line, decoding line by line so a bad byte names its line."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_txt(path: Path) -> list[PromptRecord]:
+    return [PromptRecord(text.strip()) for _, text in _lines(path) if text.strip()]
+
+
+def _read_jsonl(path: Path) -> list[PromptRecord]:
+    records = []
+    for number, text in _lines(path):
+        if not text.strip():
+            continue
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a 'prompt', got {type(item).__name__}")
+        if "prompt" not in item:
+            raise ValueError(f"{path}:{number}: line lacks 'prompt' (keys: {', '.join(item) or 'none'})")
+        if not isinstance(item["prompt"], str) or not item["prompt"].strip():
+            raise ValueError(f"{path}:{number}: 'prompt' must be a non-empty string, got {item['prompt']!r}")
+        records.append(PromptRecord(item["prompt"], item))
+    return records
+
+
+def load_prompts(path_or_name: str | Path) -> list[PromptRecord]:
+    """The prompts of a `.txt` or GenEval `.jsonl` file, or of a named set ("shapeeval:train")."""
+    path = resolve_prompt_file(path_or_name)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a directory; expected a .txt or .jsonl file")
+    if path.suffix == ".txt":
+        records = _read_txt(path)
+    elif path.suffix == ".jsonl":
+        records = _read_jsonl(path)
+    else:
+        raise ValueError(
+            f"prompt file {path} has suffix {path.suffix!r}; expected .txt (one prompt per line) "
+            "or .jsonl (GenEval metadata, one JSON object with a 'prompt' per line)"
+        )
+    if not records:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return records

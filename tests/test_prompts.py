@@ -1,0 +1,98 @@
+"""Prompt files in Flow-GRPO's formats, and their errors."""
+
+import json
+
+import pytest
+
+from stepfast.data.prompts import PromptRecord, load_prompts
+from stepfast.data.shapeeval import load_metadata
+
+
+def test_txt_one_prompt_per_line_blank_lines_skipped(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("a photo of a cat\n\n   \n  a red square  \nthird\n")
+    assert load_prompts(path) == [PromptRecord("a photo of a cat"), PromptRecord("a red square"), PromptRecord("third")]
+    assert load_prompts(str(path))[0].metadata is None
+
+
+def test_jsonl_keeps_each_line_as_metadata(tmp_path):
+    records = [
+        {"tag": "counting", "include": [{"class": "clock", "count": 2}], "exclude": [{"class": "clock", "count": 3}],
+         "prompt": "a photo of two clocks"},
+        {"prompt": "a photo of a bench", "extra": [1, 2]},
+    ]  # fmt: skip
+    path = tmp_path / "test_metadata.jsonl"
+    path.write_text(json.dumps(records[0]) + "\n\n" + json.dumps(records[1]) + "\n")
+    loaded = load_prompts(path)
+    assert [r.prompt for r in loaded] == ["a photo of two clocks", "a photo of a bench"]
+    assert [r.metadata for r in loaded] == records
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_named_shapeeval_sets(split):
+    loaded = load_prompts(f"shapeeval:{split}")
+    assert [r.metadata for r in loaded] == load_metadata(split)
+    assert all(r.prompt == r.metadata["prompt"] for r in loaded)
+
+
+def _error(path, exc_type=ValueError) -> str:
+    with pytest.raises(exc_type) as info:
+        load_prompts(path)
+    return str(info.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    message = _error(tmp_path / "nope.txt", FileNotFoundError)
+    assert str(tmp_path / "nope.txt") in message and "does not exist" in message
+
+
+@pytest.mark.parametrize("name, text", [("empty.txt", ""), ("blank.txt", "\n  \n\n"), ("empty.jsonl", "\n")])
+def test_empty_file_is_an_error(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    message = _error(path)
+    assert str(path) in message and "no prompts" in message
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    path = tmp_path / "bad_metadata.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b",,}\n{"prompt": "c"}\n')
+    message = _error(path)
+    assert message.startswith(f"{path}:3: malformed JSON")
+
+
+def test_line_without_prompt_names_file_and_line(tmp_path):
+    path = tmp_path / "x_metadata.jsonl"
+    path.write_text('{"prompt": "a"}\n{"tag": "colors", "include": []}\n')
+    message = _error(path)
+    assert message.startswith(f"{path}:2:") and "lacks 'prompt'" in message and "tag" in message
+
+
+@pytest.mark.parametrize(
+    "line, complaint",
+    [
+        ('["a photo of a cat"]', "JSON object"),
+        ('{"prompt": 3}', "non-empty string"),
+        ('{"prompt": "  "}', "non-empty string"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, line, complaint):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    message = _error(path)
+    assert message.startswith(f"{path}:2:") and complaint in message
+
+
+def test_bad_utf8_names_its_line(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"one\ntwo\nth\xffree\n")
+    assert _error(path).startswith(f"{path}:3: not UTF-8")
+
+
+def test_unknown_suffix_and_unknown_named_set(tmp_path):
+    path = tmp_path / "prompts.csv"
+    path.write_text("a\n")
+    message = _error(path)
+    assert str(path) in message and ".txt" in message and ".jsonl" in message
+    assert "shapeeval:train" in _error("shapeeval:validation")
+    assert "directory" in _error(tmp_path)
