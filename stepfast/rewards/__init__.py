@@ -28,6 +28,17 @@ class Reward(Protocol):
 #: name -> "module:attribute" of a class or factory called with the reward's options.
 REGISTRY: dict[str, str] = {
     "shapes": "stepfast.rewards.shapes:ShapesReward",
+    "weighted": "stepfast.rewards.combine:WeightedReward",
+    "pickscore": "stepfast.rewards.clip_rewards:PickScoreReward",
+    "clipscore": "stepfast.rewards.clip_rewards:ClipScoreReward",
+    "aesthetic": "stepfast.rewards.clip_rewards:AestheticReward",
+    "imagereward": "stepfast.rewards.imagereward:ImageRewardReward",
+    "ocr": "stepfast.rewards.ocr:OcrReward",
+    "jpeg_compressibility": "stepfast.rewards.jpeg:JpegCompressibility",
+    "jpeg_incompressibility": "stepfast.rewards.jpeg:JpegIncompressibility",
+    "geneval_remote": "stepfast.rewards.geneval_remote:GenEvalRemoteReward",
+    "remote": "stepfast.rewards.remote:RemoteReward",
+    "vlm": "stepfast.rewards.vlm:VlmJudgeReward",
 }
 
 
@@ -88,3 +99,10 @@ def load(name: str, **options) -> Reward:
             raise TypeError(f"reward factory {name!r} returned {type(built).__name__}, which has no score()")
         return built
     return FunctionReward(obj, name)
+
+
+def load_weighted(weights, options=None):
+    """The rewards named in `weights`, summed with those weights (see `combine.WeightedReward`)."""
+    from .combine import WeightedReward  # combine imports `load` from here
+
+    return WeightedReward(weights, options)

@@ -1,0 +1,48 @@
+"""Score one batch while the next rollout runs.
+
+    scorer = AsyncScorer(reward)
+    pending = scorer.submit(images, prompts, metadata)   # returns at once
+    ...                                                   # sample the next batch
+    scores = pending.result()                             # the reward's dict; its error, if it raised
+
+One worker thread scores submitted batches in order, so a reward model is only ever used by one
+thread. Tensors and arrays are copied on submit (an async copy on the GPU), so the caller may reuse
+its buffers; a list of PIL images is copied as a list.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+
+class AsyncScorer:
+    def __init__(self, reward):
+        if not hasattr(reward, "score"):
+            raise TypeError(f"AsyncScorer needs a reward with score(), got {type(reward).__name__}")
+        self.reward = reward
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer")
+
+    def submit(self, images, prompts, metadata=None) -> Future:
+        """Queue a batch; the Future's result() is reward.score(images, prompts, metadata)."""
+        if isinstance(images, torch.Tensor):
+            images = images.detach().clone()
+        elif isinstance(images, np.ndarray):
+            images = images.copy()
+        else:
+            images = list(images)
+        prompts = list(prompts)
+        metadata = None if metadata is None else list(metadata)
+        return self._pool.submit(self.reward.score, images, prompts, metadata)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker (after the queued batches when `wait`)."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> "AsyncScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,75 @@
+"""Weighted sums of rewards.
+
+    reward = WeightedReward({"pickscore": 1.0, "ocr": 0.5}, options={"pickscore": {"path": "..."}})
+    out = reward.score(images, prompts)
+    # out["score"]     = 1.0 * pickscore + 0.5 * ocr
+    # out["pickscore"] = the pickscore part's "score";  out["pickscore/raw"] = its extra key "raw"
+
+A name is anything `stepfast.rewards.load` accepts: a registered name or "package.module:attr".
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+import stepfast.rewards as registry
+
+
+def check_scores(name: str, out, batch: int) -> dict[str, torch.Tensor]:
+    """`out` as a dict of float32 tensors [batch] with "score", or a ValueError naming the reward."""
+    if not isinstance(out, Mapping):
+        raise ValueError(f"reward {name!r} returned {type(out).__name__}, expected a dict of tensors")
+    if "score" not in out:
+        raise ValueError(f"reward {name!r} returned keys {sorted(out)} without 'score'")
+    checked = {}
+    for key, value in out.items():
+        value = torch.as_tensor(value, dtype=torch.float32)
+        if value.shape != (batch,):
+            raise ValueError(
+                f"reward {name!r} returned {key!r} of shape {tuple(value.shape)}, expected [{batch}]"
+            )
+        checked[key] = value
+    bad = torch.nonzero(torch.isnan(checked["score"])).flatten().tolist()
+    if bad:
+        raise ValueError(f"reward {name!r} returned NaN scores for images {bad[:10]} of {batch}")
+    return checked
+
+
+def weighted_sum(parts: Mapping[str, Mapping[str, torch.Tensor]], weights: Mapping[str, float]):
+    """One dict from several rewards' outputs: "score" = sum_i w_i * score_i, each part's "score"
+    as "<name>" and each part's other keys as "<name>/<key>"."""
+    out: dict[str, torch.Tensor] = {"score": None}
+    for name, part in parts.items():
+        term = float(weights[name]) * part["score"]
+        out["score"] = term if out["score"] is None else out["score"] + term
+        out[name] = part["score"]
+        for key, value in part.items():
+            if key != "score":
+                out[f"{name}/{key}"] = value
+    return out
+
+
+class WeightedReward:
+    """Several rewards scored on the same batch and summed with fixed weights."""
+
+    def __init__(self, weights: Mapping[str, float], options: Mapping[str, Mapping] | None = None):
+        if not weights:
+            raise ValueError("WeightedReward needs at least one reward in `weights`")
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(weights))
+        if unknown:
+            raise ValueError(f"options given for {unknown}, which are not in weights {sorted(weights)}")
+        for name, weight in weights.items():
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+                raise ValueError(f"weight of reward {name!r} must be a number, got {weight!r}")
+        self.weights = {name: float(w) for name, w in weights.items()}
+        self.rewards = {name: registry.load(name, **options.get(name, {})) for name in weights}
+
+    def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
+        parts = {
+            name: check_scores(name, reward.score(images, prompts, metadata), len(prompts))
+            for name, reward in self.rewards.items()
+        }
+        return weighted_sum(parts, self.weights)

@@ -1,0 +1,120 @@
+"""Client of `python -m stepfast.reward_server`: rewards scored in another process or machine.
+
+    reward = stepfast.rewards.load("remote", url="http://127.0.0.1:8600", rewards=["shapes", "pickscore"],
+                                   weights={"shapes": 1.0, "pickscore": 0.5}, timeout=120, retries=5)
+    out = reward.score(images, prompts, metadata)
+
+With one reward the result is exactly that reward's dict, as if it ran here. With several, "score"
+is their weighted sum (weights default to 1) and each part appears as "<name>" and
+"<name>/<key>", as `WeightedReward` lays it out.
+
+Images travel as PNG (lossless: the server scores the same uint8 pixels `to_uint8` gives here),
+at most `batch_size` per request. Failures are retried with exponential backoff (see
+`stepfast.rewards.transport`); after the last retry `RewardServerError` names the server and the
+last failure, so a trainer can stop cleanly and keep its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import torch
+
+from stepfast.rewards.combine import weighted_sum
+from stepfast.rewards.images import to_uint8
+from stepfast.rewards.transport import MalformedResponse, RewardServerError, get_json, post
+
+__all__ = ["RemoteReward", "RewardServerError"]
+
+
+class RemoteReward:
+    def __init__(self, url: str = None, rewards=None, weights: dict | None = None, timeout: float = 120.0,
+                 retries: int = 5, backoff: float = 1.0, batch_size: int = 64):
+        if not url:
+            raise TypeError("reward 'remote' needs url=<http://HOST:PORT of a stepfast reward server>")
+        if isinstance(rewards, str):
+            rewards = [r.strip() for r in rewards.split(",") if r.strip()]
+        if not rewards:
+            raise TypeError("reward 'remote' needs rewards=[names served by the server]")
+        self.url = url.rstrip("/")
+        self.names = list(dict.fromkeys(rewards))
+        if weights is not None:
+            extra = sorted(set(weights) - set(self.names))
+            if extra:
+                raise ValueError(f"weights given for {extra}, which are not in rewards {self.names}")
+        self.weights = None if weights is None and len(self.names) == 1 else {
+            name: float((weights or {}).get(name, 1.0)) for name in self.names
+        }
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.batch_size = int(batch_size)
+
+    def health(self) -> dict:
+        """The server's /health answer (one try, no retries): its rewards and limits."""
+        return get_json(self.url + "/health", timeout=min(self.timeout, 10.0))
+
+    def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
+        pixels = to_uint8(images)
+        prompts = list(prompts)
+        if len(pixels) != len(prompts):
+            raise ValueError(f"got {len(pixels)} images and {len(prompts)} prompts")
+        if not prompts:
+            raise ValueError("reward 'remote' got an empty batch")
+        if metadata is not None and len(metadata) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts and {len(metadata)} metadata records")
+        parts: dict[str, dict[str, list]] = {name: {} for name in self.names}
+        for start in range(0, len(prompts), self.batch_size):
+            stop = min(start + self.batch_size, len(prompts))
+            request = {
+                "rewards": self.names,
+                "images": [encode_png(p) for p in pixels[start:stop]],
+                "prompts": prompts[start:stop],
+            }
+            if metadata is not None:
+                request["metadata"] = list(metadata[start:stop])
+            scores = post(
+                self.url + "/score", json.dumps(request).encode("utf-8"),
+                lambda body, n=stop - start: _parse_scores(body, self.names, n),
+                timeout=self.timeout, retries=self.retries, backoff=self.backoff, server=self.url,
+            )
+            for name, keys in scores.items():
+                for key, values in keys.items():
+                    parts[name].setdefault(key, []).extend(values)
+        for name, keys in parts.items():
+            uneven = sorted(key for key, values in keys.items() if len(values) != len(prompts))
+            if uneven:
+                raise RewardServerError(self.url, 1, f"reward {name!r} returned {uneven} for some batches only")
+        tensors = {name: {k: torch.tensor(v, dtype=torch.float32) for k, v in keys.items()}
+                   for name, keys in parts.items()}
+        if self.weights is None:
+            return tensors[self.names[0]]
+        return weighted_sum(tensors, self.weights)
+
+
+def encode_png(pixels: np.ndarray) -> str:
+    """uint8 [H, W, 3] as base64 PNG text, the images of a /score request."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _parse_scores(body: bytes, names: list[str], n: int) -> dict[str, dict[str, list]]:
+    """The "scores" of a /score answer, checked: every asked reward, "score", lists of n numbers."""
+    answer = json.loads(body)
+    scores = answer.get("scores") if isinstance(answer, dict) else None
+    if not isinstance(scores, dict):
+        raise MalformedResponse('no "scores" object')
+    for name in names:
+        keys = scores.get(name)
+        if not isinstance(keys, dict) or "score" not in keys:
+            raise MalformedResponse(f'no "score" for reward {name!r}')
+        for key, values in keys.items():
+            if not isinstance(values, list) or len(values) != n or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+            ):
+                raise MalformedResponse(f"{name}/{key} is not a list of {n} numbers")
+    return {name: scores[name] for name in names}

@@ -1,0 +1,126 @@
+"""HTTP with timeouts and retries for the rewards that call a server (remote, vlm, geneval_remote).
+
+One POST is tried `retries + 1` times. Between tries the client waits `backoff * 2**k` seconds
+(k = 0, 1, ...; at most `MAX_BACKOFF_S`). A try fails, and is retried, when the connection cannot be
+made or breaks, when no byte arrives for `timeout` seconds, on HTTP 5xx/408/429, and when the
+answer cannot be parsed. Any other 4xx means the request itself is wrong: retrying cannot help, so
+it fails at once. When every try has failed the call raises `RewardServerError`, which names the
+server and the last failure; a trainer catches that one type to stop cleanly.
+
+Only the standard library is used; proxies from the environment are not consulted (reward servers
+are usually on the same host or cluster network).
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+import urllib.parse
+from typing import Any, Callable
+
+MAX_BACKOFF_S = 60.0
+_RETRYABLE_STATUS = {408, 429}
+
+
+class RewardServerError(RuntimeError):
+    """A reward server could not give an answer: after all retries, or a request it rejected."""
+
+    def __init__(self, url: str, attempts: int, last_failure: str):
+        self.url, self.attempts, self.last_failure = url, attempts, last_failure
+        super().__init__(
+            f"reward server {url} failed after {attempts} attempt(s); last failure: {last_failure}"
+        )
+
+
+class MalformedResponse(ValueError):
+    """The server answered 200 with a body that is not what the protocol says."""
+
+
+def post(
+    url: str,
+    body: bytes,
+    parse: Callable[[bytes], Any],
+    *,
+    content_type: str = "application/json",
+    headers: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    retries: int = 5,
+    backoff: float = 1.0,
+    server: str | None = None,
+) -> Any:
+    """POST `body` to `url` and return `parse(response_body)`, retrying as the module says.
+
+    `parse` raises `MalformedResponse` (or any ValueError) for an answer it cannot use; that try
+    then counts as failed. `server` is how errors name the server (default: `url`).
+    """
+    if retries < 0 or timeout <= 0 or backoff < 0:
+        raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/path")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    sent_headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+    sent_headers.update(headers or {})
+
+    last_failure = "no attempt made"
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+        try:
+            status, payload = _post_once(parts, path, body, sent_headers, timeout)
+        except (socket.timeout, TimeoutError):
+            last_failure = f"no answer within the {timeout:g} s timeout"
+            continue
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, DNS, bad status line
+            last_failure = f"{type(exc).__name__}: {exc}"
+            continue
+        if status == 200:
+            try:
+                return parse(payload)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:  # MalformedResponse, JSON errors
+                last_failure = f"malformed response ({exc}): {_excerpt(payload)}"
+                continue
+        last_failure = f"HTTP {status}: {_excerpt(payload)}"
+        if 400 <= status < 500 and status not in _RETRYABLE_STATUS:
+            raise RewardServerError(server or url, attempt + 1, last_failure)
+    raise RewardServerError(server or url, retries + 1, last_failure)
+
+
+def _post_once(parts, path, body, headers, timeout) -> tuple[int, bytes]:
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # A server may answer early (413: body too large) and stop reading; its answer is
+            # still waiting to be read.
+            pass
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    """GET `url` once and decode its JSON body (for health checks; no retries)."""
+    import json
+
+    parts = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        resp = conn.getresponse()
+        payload = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise RewardServerError(url, 1, f"HTTP {resp.status}: {_excerpt(payload)}")
+    return json.loads(payload)
+
+
+def _excerpt(payload: bytes, limit: int = 300) -> str:
+    text = payload.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."

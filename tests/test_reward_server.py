@@ -1,0 +1,311 @@
+"""The reward server and its client, live on loopback: exact scores, batching, bad requests, and a
+client that survives 500s, malformed answers, slow answers, dropped connections and a restart, then
+fails with RewardServerError naming the server. Every server here is started by the test on
+127.0.0.1 and every loop is bounded."""
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from stepfast import rewards
+from stepfast.data.shapeeval import load_metadata, render_batch
+from stepfast.reward_server import Batcher, RewardServer
+from stepfast.rewards.remote import RewardServerError, encode_png
+
+FAST = dict(retries=3, backoff=0.01, timeout=10.0)
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    metas = load_metadata("train")[:6]
+    return render_batch(metas, size=64, seed=0), [m["prompt"] for m in metas], metas
+
+
+@pytest.fixture(scope="module")
+def local():
+    return {"shapes": rewards.load("shapes"), "jpeg_compressibility": rewards.load("jpeg_compressibility")}
+
+
+def start(served, port=0, **options) -> RewardServer:
+    server = RewardServer(served, "127.0.0.1", port, **options)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+def stop(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def server(local):
+    server = start(local)
+    yield server
+    stop(server)
+
+
+def assert_same(remote: dict, expected: dict) -> None:
+    assert set(remote) == set(expected)
+    for key in expected:
+        assert torch.equal(remote[key], expected[key]), (key, remote[key], expected[key])
+
+
+def test_remote_scores_equal_local_scores(server, local, scenes):
+    images, prompts, metas = scenes
+    assert rewards.load("remote", url=server.url, rewards=["shapes"]).health()["rewards"] == [
+        "jpeg_compressibility", "shapes"]
+    remote = rewards.load("remote", url=server.url, rewards=["shapes"], **FAST)
+    assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
+    assert_same(remote.score(images, prompts, metas), local["shapes"].score(images, prompts, metas))
+    as_float = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255  # float input, [0, 1]
+    assert_same(remote.score(as_float, prompts), local["shapes"].score(as_float, prompts))
+
+    weights = {"shapes": 1.0, "jpeg_compressibility": 0.25}
+    both = rewards.load("remote", url=server.url, rewards=list(weights), weights=weights, batch_size=4, **FAST)
+    assert_same(both.score(images, prompts), rewards.load_weighted(weights).score(images, prompts))
+
+
+def test_concurrent_requests_share_reward_calls(local, scenes):
+    images, prompts, _ = scenes
+
+    class Counting:
+        def __init__(self):
+            self.batches = []
+
+        def score(self, images, prompts, metadata=None):
+            self.batches.append(len(prompts))
+            return local["shapes"].score(images, prompts, metadata)
+
+    counting = Counting()
+    batcher = Batcher({"shapes": counting}, batch_size=64, window_s=0.5)
+    futures = [batcher.submit(["shapes"], images[i : i + 2], prompts[i : i + 2], None) for i in (0, 2, 4)]
+    results = [f.result(10) for f in futures]
+    batcher.close()
+    assert counting.batches == [6]  # three requests, one reward call
+    for i, result in zip((0, 2, 4), results):
+        expected = local["shapes"].score(images[i : i + 2], prompts[i : i + 2])
+        assert result["shapes"] == {k: v.tolist() for k, v in expected.items()}
+
+    counting.batches.clear()
+    server = start({"shapes": counting}, batch_size=4, batch_window_s=0.05)
+    try:
+        remote = rewards.load("remote", url=server.url, rewards=["shapes"], **FAST)
+        out = [None] * 6
+
+        def score_one(i):
+            out[i] = remote.score(images[i : i + 1], prompts[i : i + 1])
+
+        threads = [threading.Thread(target=score_one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        for i in range(6):
+            assert_same(out[i], local["shapes"].score(images[i : i + 1], prompts[i : i + 1]))
+        assert sum(counting.batches) == 6 and max(counting.batches) <= 4
+    finally:
+        stop(server)
+
+
+def post_raw(server, body: bytes, path="/score"):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_bad_requests_get_clear_errors(server, scenes, local):
+    images, prompts, _ = scenes
+    png = encode_png(images[0])
+    cases = [
+        (b"{not json", "not JSON"),
+        (json.dumps({"images": [png], "prompts": ["a"]}).encode(), "non-empty list of reward names"),
+        (json.dumps({"rewards": ["pickscore"], "images": [png], "prompts": ["a"]}).encode(),
+         "not served here; this server serves ['jpeg_compressibility', 'shapes']"),
+        (json.dumps({"rewards": ["shapes"], "images": [png, png], "prompts": ["a"]}).encode(), "2 images but 1 prompts"),
+        (json.dumps({"rewards": ["shapes"], "images": ["@@@"], "prompts": ["a"]}).encode(), "images[0] is not a base64"),
+        (json.dumps({"rewards": ["shapes"], "images": [png, encode_png(images[1][:32])], "prompts": ["a", "b"]}).encode(),
+         "one size"),
+        (json.dumps({"rewards": ["shapes"], "images": [png], "prompts": ["a"], "extra": 1}).encode(), "unknown fields"),
+    ]
+    for body, message in cases:
+        status, answer = post_raw(server, body)
+        assert status == 400 and message in answer["error"], (message, status, answer)
+    assert post_raw(server, b"{}", path="/other")[0] == 404
+
+    # a reward that raises: 500 with its error; the client retries, then names it
+    failing = start({"shapes": rewards.load(f"{__name__}:explodes")})
+    try:
+        with pytest.raises(RewardServerError, match="HTTP 500.*reward model exploded"):
+            rewards.load("remote", url=failing.url, rewards=["shapes"], **FAST).score(images[:1], prompts[:1])
+    finally:
+        stop(failing)
+
+    small = start(local, max_request_bytes=4096)
+    try:
+        status, answer = post_raw(small, b"x" * 100_000)
+        assert status == 413 and "limit of 4096 bytes" in answer["error"]
+        remote = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        with pytest.raises(RewardServerError, match="after 1 attempt.*HTTP 413") as info:
+            remote.score(images, prompts)  # a request error is not retried
+        assert info.value.url == small.url
+    finally:
+        stop(small)
+
+
+def explodes(images, prompts, metadata):
+    raise RuntimeError("reward model exploded")
+
+
+class FaultProxy:
+    """A loopback proxy in front of a reward server that injects one fault per request, in order:
+    "500", "malformed", "partial" (valid JSON without scores), "slow" (answers after `slow_s`),
+    "drop" (closes without answering); "ok" (also when the list is empty) forwards the request."""
+
+    def __init__(self, upstream_port: int, faults: list[str], slow_s: float = 1.5):
+        self.faults, self.requests, self.slow_s = list(faults), 0, slow_s
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                proxy.requests += 1
+                fault = proxy.faults.pop(0) if proxy.faults else "ok"
+                try:
+                    if fault == "drop":
+                        self.close_connection = True
+                        self.connection.shutdown(2)
+                        return
+                    if fault == "500":
+                        return self.answer(500, b'{"error": "injected failure"}')
+                    if fault == "malformed":
+                        return self.answer(200, b'{"scores": {"shapes": [1, 2')
+                    if fault == "partial":
+                        return self.answer(200, b'{"result": "no scores here"}')
+                    if fault == "slow":
+                        time.sleep(proxy.slow_s)
+                    conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=10)
+                    conn.request("POST", self.path, body=body, headers={"Content-Type": "application/json"})
+                    resp = conn.getresponse()
+                    self.answer(resp.status, resp.read())
+                    conn.close()
+                except OSError:  # the client gave up on a slow answer
+                    pass
+
+            def answer(self, status, payload):
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy_factory(server):
+    proxies = []
+
+    def make(faults, **kw):
+        proxies.append(FaultProxy(server.server_address[1], faults, **kw))
+        return proxies[-1]
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+def test_client_retries_500s_malformed_and_dropped_answers(proxy_factory, local, scenes):
+    images, prompts, _ = scenes
+    proxy = proxy_factory(["500", "malformed", "drop", "partial"])
+    remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=4, backoff=0.01, timeout=10)
+    assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
+    assert proxy.requests == 5
+
+
+def test_client_times_out_a_slow_answer_then_retries(proxy_factory, local, scenes):
+    images, prompts, _ = scenes
+    proxy = proxy_factory(["slow"], slow_s=2.0)
+    remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=2, backoff=0.01, timeout=0.5)
+    began = time.monotonic()
+    assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
+    assert 0.5 <= time.monotonic() - began < 2.0  # it did not wait for the slow answer
+    assert proxy.requests == 2
+
+
+def test_client_gives_up_with_an_error_naming_the_server(proxy_factory, scenes):
+    images, prompts, _ = scenes
+    proxy = proxy_factory(["500"] * 10)
+    remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=3, backoff=0.01, timeout=10)
+    with pytest.raises(RewardServerError) as info:
+        remote.score(images, prompts)
+    message = str(info.value)
+    assert proxy.url in message and "4 attempt(s)" in message and "HTTP 500" in message and "injected failure" in message
+    assert info.value.attempts == 4 and proxy.requests == 4
+
+
+def test_client_survives_a_server_restart_and_names_a_dead_server(local, scenes):
+    images, prompts, _ = scenes
+    server = start(local)
+    port, url = server.server_address[1], server.url
+    remote = rewards.load("remote", url=url, rewards=["shapes"], retries=6, backoff=0.1, timeout=10)
+    expected = local["shapes"].score(images, prompts)
+    assert_same(remote.score(images, prompts), expected)
+
+    stop(server)  # the server dies between two batches ...
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(remote.score(images, prompts)))
+    worker.start()
+    time.sleep(0.4)
+    restarted = start(local, port=port)  # ... and comes back while the client retries
+    worker.join(15)
+    try:
+        assert_same(result, expected)
+    finally:
+        stop(restarted)
+
+    # a server that stays dead: after the retries, an error that names it and the last failure
+    quick = rewards.load("remote", url=url, rewards=["shapes"], retries=2, backoff=0.01, timeout=2)
+    with pytest.raises(RewardServerError, match=f"reward server {url} failed after 3 attempt.*Connection"):
+        quick.score(images, prompts)
+
+
+@pytest.mark.slow
+def test_command_line_server(tmp_path, local, scenes):
+    images, prompts, _ = scenes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepfast.reward_server", "--rewards", "jpeg_compressibility,shapes", "--port", "0",
+         "--reward-options", json.dumps({"jpeg_compressibility": {"scale": 100}})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # printed once the server listens
+        assert "on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" on ")[1].split()[0]
+        remote = rewards.load("remote", url=url, rewards=["jpeg_compressibility"], **FAST)
+        assert remote.health()["rewards"] == ["jpeg_compressibility", "shapes"]
+        expected = rewards.load("jpeg_compressibility", scale=100).score(images, prompts)
+        assert_same(remote.score(images, prompts), expected)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,135 @@
+"""Weighted combinations, custom rewards by import path, JPEG rewards, ImageReward's import error,
+and asynchronous scoring."""
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stepfast import rewards
+from stepfast.rewards.async_scoring import AsyncScorer
+from stepfast.rewards.combine import WeightedReward
+
+
+def brightness(images, prompts, metadata):
+    """A custom reward given by import path: mean pixel value in [0, 1], plus the prompt length."""
+    pixels = torch.from_numpy(rewards.images.to_uint8(images)).float()
+    return {"score": pixels.mean(dim=(1, 2, 3)) / 255, "chars": torch.tensor([float(len(p)) for p in prompts])}
+
+
+def darkness(images, prompts, metadata):
+    return 1 - brightness(images, prompts, metadata)["score"]
+
+
+class NaNReward:
+    def score(self, images, prompts, metadata=None):
+        return {"score": torch.tensor([0.5, float("nan"), 0.1])}
+
+
+@pytest.fixture
+def images():
+    rng = np.random.default_rng(3)
+    batch = rng.integers(0, 256, size=(3, 24, 32, 3), dtype=np.uint8)
+    batch[0] = 255  # flat white: compresses best
+    return batch
+
+
+PROMPTS = ["one", "three words here", "x"]
+
+
+def jpeg_kb(pixels: np.ndarray) -> float:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=95)
+    return len(buffer.getvalue()) / 1000
+
+
+def test_jpeg_rewards_match_flow_grpo(images):
+    kb = torch.tensor([jpeg_kb(a) for a in images])
+    comp = rewards.load("jpeg_compressibility").score(images, PROMPTS)
+    incomp = rewards.load("jpeg_incompressibility").score(images, PROMPTS)
+    torch.testing.assert_close(incomp["score"], kb)
+    torch.testing.assert_close(comp["score"], -kb / 500)
+    assert comp["score"][0] > comp["score"][1]  # the flat image is the most compressible
+
+
+def test_weighted_sum_with_parts_and_extra_keys(images):
+    name = f"{__name__}:brightness"
+    reward = rewards.load_weighted({name: 2.0, "jpeg_compressibility": -0.5})
+    out = reward.score(images, PROMPTS)
+    b = brightness(images, PROMPTS, None)
+    kb = torch.tensor([jpeg_kb(a) for a in images])
+    torch.testing.assert_close(out[name], b["score"])
+    torch.testing.assert_close(out[f"{name}/chars"], b["chars"])
+    torch.testing.assert_close(out["jpeg_compressibility/kb"], kb)
+    torch.testing.assert_close(out["score"], 2.0 * b["score"] - 0.5 * (-kb / 500))
+    assert set(out) == {"score", name, f"{name}/chars", "jpeg_compressibility", "jpeg_compressibility/kb"}
+
+
+def test_weighted_reward_passes_options_and_registry_name(images):
+    reward = rewards.load("weighted", weights={"jpeg_compressibility": 1.0},
+                          options={"jpeg_compressibility": {"scale": 100.0}})
+    kb = torch.tensor([jpeg_kb(a) for a in images])
+    torch.testing.assert_close(reward.score(images, PROMPTS)["score"], -kb / 100)
+    with pytest.raises(ValueError, match="not in weights"):
+        WeightedReward({"jpeg_compressibility": 1.0}, options={"shapes": {}})
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        WeightedReward({"nope": 1.0})
+
+
+def test_weighted_reward_names_a_nan_part(images):
+    reward = WeightedReward({f"{__name__}:NaNReward": 1.0})
+    with pytest.raises(ValueError, match=r"NaNReward.*NaN scores for images \[1\]"):
+        reward.score(images, PROMPTS)
+
+
+def test_imagereward_without_its_package_says_what_to_install():
+    try:
+        from ImageReward.ImageReward import ImageReward  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("the ImageReward package imports here")
+    with pytest.raises(ImportError, match="pip install image-reward"):
+        rewards.load("imagereward", path="ImageReward.pt", med_config="med_config.json")
+
+
+def test_async_scorer_overlaps_and_keeps_order(images):
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def score(self, images, prompts, metadata=None):
+            started.set()
+            assert release.wait(5)
+            return brightness(images, prompts, metadata)
+
+    with AsyncScorer(Slow()) as scorer:
+        buffer = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+        first = scorer.submit(buffer, PROMPTS)
+        assert started.wait(5) and not first.done()  # submit returned while scoring runs
+        expected = brightness(buffer, PROMPTS, None)["score"]
+        buffer.zero_()  # the caller reuses its buffer: the scorer copied it
+        second = scorer.submit(buffer, PROMPTS)
+        release.set()
+        torch.testing.assert_close(first.result(5)["score"], expected)
+        torch.testing.assert_close(second.result(5)["score"], torch.zeros(3))
+
+
+def test_async_scorer_raises_the_reward_error_on_result(images):
+    class FailsOnce:
+        calls = 0
+
+        def score(self, images, prompts, metadata=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("reward model exploded")
+            return brightness(images, prompts, metadata)
+
+    with AsyncScorer(FailsOnce()) as scorer:
+        failed, ok = scorer.submit(images, PROMPTS), scorer.submit(images, PROMPTS)
+        with pytest.raises(RuntimeError, match="reward model exploded"):
+            failed.result(5)
+        # the worker survives a failed batch
+        torch.testing.assert_close(ok.result(5)["score"], brightness(images, PROMPTS, None)["score"])

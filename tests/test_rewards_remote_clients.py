@@ -1,0 +1,175 @@
+"""The VLM-judge and GenEval clients against small servers the tests start on 127.0.0.1."""
+
+import base64
+import io
+import json
+import pickle
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stepfast import rewards
+from stepfast.rewards.transport import RewardServerError
+
+
+class LoopbackServer:
+    """A threaded HTTP server on 127.0.0.1 whose POST answers come from `answer(body) -> (status, bytes)`."""
+
+    def __init__(self, answer):
+        self.requests = []
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append((self.path, dict(self.headers), body))
+                status, payload = answer(body)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def images():
+    rng = np.random.default_rng(5)
+    return rng.integers(0, 256, size=(5, 20, 28, 3), dtype=np.uint8)
+
+
+PROMPTS = ["a red cube", "two cats", "unjudgeable", "a sign", "a dog"]
+
+
+def judge_answer(fail_first: list):
+    """An OpenAI-compatible judge: 'Final Score: 1 + 4 * mean brightness', read from the data URL."""
+
+    def answer(body):
+        if fail_first:
+            fail_first.pop()
+            return 500, b'{"error": "warming up"}'
+        request = json.loads(body)
+        image_part, text_part = request["messages"][0]["content"]
+        assert request["model"] == "judge-7b" and request["temperature"] == 0.0
+        prefix = "data:image/png;base64,"
+        assert image_part["image_url"]["url"].startswith(prefix)
+        png = base64.b64decode(image_part["image_url"]["url"][len(prefix):])
+        pixels = np.asarray(Image.open(io.BytesIO(png), formats=["PNG"]).convert("RGB"))
+        caption = text_part["text"].split("Caption: ")[1]
+        if "unjudgeable" in caption:
+            content = "I cannot rate this."
+        else:
+            content = f"Looks fine for [{caption}]. Final Score: {1 + 4 * pixels.mean() / 255:.2f}"
+        reply = {"choices": [{"message": {"role": "assistant", "content": content}}], "size": pixels.shape}
+        return 200, json.dumps(reply).encode()
+
+    return answer
+
+
+def test_vlm_judge_scores_and_parses(images):
+    server = LoopbackServer(judge_answer(fail_first=[True]))
+    try:
+        reward = rewards.load("vlm", url=server.url, model="judge-7b", image_size=None,
+                              prompt_template="Rate it. Caption: {prompt}", score_regex=r"Final Score:\s*([0-9.]+)",
+                              max_score=5, concurrency=3, retries=2, backoff=0.01, timeout=10)
+        out = reward.score(images, PROMPTS)
+        raw = torch.tensor([float(f"{1 + 4 * a.mean() / 255:.2f}") for a in images])
+        raw[2] = 0.0  # no "Final Score" in the answer: 0, as Flow-GRPO
+        torch.testing.assert_close(out["raw"], raw)
+        torch.testing.assert_close(out["score"], raw / 5)
+        torch.testing.assert_close(out["parsed"], torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]))
+        assert all(path == "/v1/chat/completions" for path, _, _ in server.requests)
+        assert len(server.requests) == 6  # five images and one retried 500
+    finally:
+        server.close()
+
+
+def test_vlm_judge_defaults_follow_unified_reward(images):
+    sizes = []
+
+    def answer(body):
+        request = json.loads(body)
+        url = request["messages"][0]["content"][0]["image_url"]["url"]
+        sizes.append(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size)
+        text = request["messages"][0]["content"][1]["text"]
+        assert text.startswith("<image>\n") and text.endswith("Text Caption: [a red cube]")
+        return 200, json.dumps({"choices": [{"message": {"content": "Final Score: 4"}}]}).encode()
+
+    server = LoopbackServer(answer)
+    try:
+        reward = rewards.load("vlm", url=server.url + "/v1", retries=0, timeout=10, api_key="k")
+        out = reward.score(images[:2], PROMPTS[:1] * 2)
+        torch.testing.assert_close(out["score"], torch.tensor([0.8, 0.8]))
+        assert sizes == [(512, 512)] * 2
+        assert server.requests[0][1]["Authorization"] == "Bearer k"
+    finally:
+        server.close()
+    with pytest.raises(RewardServerError, match="failed after 2 attempt"):
+        rewards.load("vlm", url=server.url, retries=1, backoff=0.01, timeout=2).score(images[:1], PROMPTS[:1])
+
+
+TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+
+
+def geneval_answer(fail_first: list):
+    """Flow-GRPO's GenEval server protocol, with results computed from the metadata."""
+
+    def answer(body):
+        if fail_first:
+            fail_first.pop()
+            return 500, b"Traceback: CUDA out of memory"
+        request = pickle.loads(body)
+        for jpeg in request["images"]:
+            assert Image.open(io.BytesIO(jpeg), formats=["JPEG"]).size == (28, 20)
+        metas = request["meta_datas"]
+        strict = [float(m["i"] % 2) for m in metas]
+        group = {t: [s if m["tag"] == t else -10.0 for s, m in zip(strict, metas)] for t in TAGS}
+        response = {
+            "scores": [m["i"] / 10 for m in metas],
+            "rewards": [0.0 if request["only_strict"] else 1.0 for _ in metas],
+            "strict_rewards": strict,
+            "group_rewards": group,
+            "group_strict_rewards": group,
+        }
+        return 200, pickle.dumps(response)
+
+    return answer
+
+
+def test_geneval_remote_protocol(images):
+    server = LoopbackServer(geneval_answer(fail_first=[True]))
+    try:
+        metas = [{"i": i, "tag": TAGS[i % 3], "prompt": p} for i, p in enumerate(PROMPTS)]
+        reward = rewards.load("geneval_remote", url=server.url, batch_size=2, retries=2, backoff=0.01, timeout=10)
+        out = reward.score(images, PROMPTS, metas)
+        torch.testing.assert_close(out["score"], torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4]))
+        torch.testing.assert_close(out["strict_accuracy"], torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0]))
+        torch.testing.assert_close(out["accuracy"], torch.zeros(5))  # only_strict: no loose check
+        torch.testing.assert_close(out["two_object_strict_accuracy"], torch.tensor([-10.0, 1.0, -10.0, -10.0, 0.0]))
+        groups = {f"{t}_{k}" for t in TAGS for k in ("accuracy", "strict_accuracy")}
+        assert set(out) == {"score", "accuracy", "strict_accuracy"} | groups
+        assert len(server.requests) == 4  # three batches and one retried 500
+        loose = rewards.load("geneval_remote", url=server.url, only_strict=False, retries=0)
+        loose = loose.score(images, PROMPTS, metas)
+        torch.testing.assert_close(loose["accuracy"], torch.ones(5))
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="one GenEval metadata record per image"):
+        reward.score(images, PROMPTS)
+    with pytest.raises(TypeError, match="pickle"):
+        rewards.load("geneval_remote")
