@@ -32,7 +32,7 @@ class StepLoss:
     ratio_max: torch.Tensor
 
     def stats(self) -> dict[str, float]:
-        return {name: float(value) for name, value in vars(self).items()}
+        return {name: float(value.detach()) for name, value in vars(self).items()}
 
 
 def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

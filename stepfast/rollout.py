@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from . import sde
+from .kernels import sde_logprob
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,17 +51,19 @@ def sample_trajectory(
     convention: str = "gaussian",
     reduce: str = "mean",
     patch_size: int | None = None,
+    min_std: float = sde.DEGENERATE_STD,
     **params,
 ) -> Trajectory:
     """Run the sampler from x_init along `grid`, keeping every state, velocity and old log-prob.
 
     noise: optional [T, B, ...] step noises (otherwise drawn from `generator`). sde_window=(a, b):
-    only steps a <= j < b use `kind`; the others are ODE steps (Flow-GRPO's fast presets).
+    only steps a <= j < b use `kind`; the others are ODE steps (Flow-GRPO's fast presets). Steps with
+    std below `min_std` are deterministic: they carry no log-probability and are not trained.
     """
     grid = torch.as_tensor(grid, dtype=torch.float32)
     steps = grid.numel() - 1
     window = range(steps) if sde_window is None else range(*sde_window)
-    stochastic = ~sde.degenerate_steps(kind, grid, **params)
+    stochastic = ~sde.degenerate_steps(kind, grid, threshold=min_std, **params)
     trained = torch.tensor([j in window and bool(stochastic[j]) for j in range(steps)])
     x = x_init.float()
     b = x.shape[0]
@@ -73,7 +76,9 @@ def sample_trajectory(
         out = sde.step(step_kind, x, v, t, s, noise=None if noise is None else noise[j],
                        generator=generator, **step_params)
         if trained[j]:
-            lp = sde.log_prob(out.sample, out.mean, out.std, convention, reduce, patch_size)
+            # the training-side op, so that the update recomputes these numbers bit for bit
+            lp = sde_logprob(kind, x, v, t, s, out.sample, convention=convention, reduce=reduce,
+                             patch_size=patch_size, **params).log_prob
         else:
             lp = torch.zeros(sde_logprob_shape(x, reduce, patch_size), device=x.device)
         x = out.sample
@@ -137,3 +142,30 @@ def trajectory_estimates(velocity: Velocity, traj: Trajectory, substeps: int) ->
         first_velocity=traj.velocities.reshape(steps * b, *shape),
     )
     return torch.cat([est.reshape(steps, b, *shape), traj.states[-1:]], dim=0)
+
+
+def _seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys (stable across processes, unlike hash())."""
+    import hashlib
+
+    digest = hashlib.blake2b("/".join(str(int(k)) for k in keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def sample_noise(
+    seed: int, iteration: int, groups: list[int], members: list[int], shape: tuple[int, ...], steps: int,
+    same_latent: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(initial noise [B, *shape], step noises [T, B, *shape]) on the CPU, float32.
+
+    Each sample's noise is a function of (seed, iteration, group, member) only, never of the rank or
+    of how samples are split into micro-batches, so results do not depend on the number of ranks.
+    With same_latent every member of a group starts from the group's noise.
+    """
+    init, step_noise = [], []
+    for g, n in zip(groups, members):
+        gen = torch.Generator().manual_seed(_seed(seed, iteration, g, -1 if same_latent else n, 0))
+        init.append(torch.randn(shape, generator=gen))
+        gen = torch.Generator().manual_seed(_seed(seed, iteration, g, n, 1))
+        step_noise.append(torch.randn((steps, *shape), generator=gen))
+    return torch.stack(init), torch.stack(step_noise, dim=1)

@@ -1,0 +1,109 @@
+"""Atomic checkpoints that let a run continue exactly.
+
+    output_dir/checkpoints/checkpoint-000010/
+        lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (pipe.load_lora_weights)
+        engine/                                 DeepSpeed state: weights, optimizer, LR scheduler
+        rng/rank{r}.pt                          RNG states of every rank
+        state.pt                                iteration, EMA, prompt-sampler position, metrics rows
+        COMPLETE                                written last
+
+Every rank writes into `checkpoint-000010.tmp/`; after a barrier rank 0 writes COMPLETE and renames
+the folder. A kill at any moment leaves either the old set of checkpoints or the old set plus the new
+one: a `.tmp` folder is never read, and `resume=auto` takes the newest folder with COMPLETE in it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+PATTERN = re.compile(r"^checkpoint-(\d{6})$")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under output_dir, or None."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if PATTERN.match(p.name) and (p / "COMPLETE").exists()]
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int, lora_saver=None, keep: int = 2) -> Path:
+    """Write checkpoint `iteration` atomically (collective: every rank calls it)."""
+    root = checkpoint_dir(output_dir)
+    final = root / f"checkpoint-{iteration:06d}"
+    tmp = root / f"checkpoint-{iteration:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(world)
+    engine.save_checkpoint(str(tmp / "engine"), tag="state")
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save(state, tmp / "state.pt")
+        if lora_saver is not None:
+            lora_saver(tmp / "lora")
+    _barrier(world)
+    if rank == 0:
+        (tmp / "COMPLETE").write_text(f"{iteration}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        prune(root, keep)
+    _barrier(world)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and stale .tmp folders."""
+    done = sorted(p for p in root.iterdir() if PATTERN.match(p.name) and (p / "COMPLETE").exists())
+    for old in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("checkpoint-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load(path: Path, engine, rank: int) -> dict:
+    """Restore engine, RNG of this rank, and return the saved state dict."""
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+    load_path, _ = engine.load_checkpoint(str(path / "engine"), tag="state")
+    if load_path is None:
+        raise FileNotFoundError(f"{path / 'engine'}: DeepSpeed found no engine state to load")
+    rng_file = path / "rng" / f"rank{rank}.pt"
+    if rng_file.exists():  # resuming on more ranks than saved: the new ranks keep fresh RNG
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(path / "state.pt", weights_only=False)

@@ -1,0 +1,316 @@
+"""Training configuration: typed dataclasses, YAML presets, and `key=value` overrides.
+
+    cfg = load_config("default", ["iterations=20", "rollout.group_size=8", "credit=flow_grpo"])
+
+A preset is a YAML file in `stepfast/configs/` (by name) or any YAML path; overrides use dotted paths
+into the dataclasses. A mistyped key is an error that names it and suggests the closest valid one; a
+value of the wrong type is an error that names the key, the value and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type, unreadable file."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"  # a diffusers SD3 pipeline directory; "embedded" is the shipped tiny model
+    dtype: str = "fp32"  # weights and compute of the frozen parts: fp32 | bf16 | fp16
+    lora: bool = True  # LoRA adapters (peft) on `lora_targets`; false = full fine-tuning
+    lora_rank: int = 32
+    lora_alpha: int = 64
+    # Flow-GRPO's targets: the attention projections of the SD3 transformer.
+    lora_targets: list[str] = field(
+        default_factory=lambda: [
+            "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+            "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+        ]
+    )  # fmt: skip
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"  # sdpa | xformers (when installed)
+
+
+@dataclass
+class SdeConfig:
+    steps: int = 10  # T: denoising steps of a training rollout
+    eta: float = 1.0  # ddim noise scale (std = eta s sqrt(1 - t))
+    noise_level: float = 0.7  # flow_sde / cps noise level a
+    window: list[int] | None = None  # [start, end): SDE steps (trained); ODE elsewhere. None = all
+    logprob: str = "gaussian"  # gaussian | cps
+    min_std: float = 1e-4  # steps with a smaller std are deterministic: not trained
+
+
+@dataclass
+class RolloutConfig:
+    prompts: str = "shapeeval:train"  # .txt, GenEval *_metadata.jsonl, or shapeeval:train|test
+    groups: int = 8  # G: prompts per iteration (over all ranks)
+    group_size: int = 4  # N: samples per prompt
+    same_latent: bool = True  # share the initial noise inside a group (stepwise needs it)
+    cfg: float = 4.5  # classifier-free guidance scale while sampling (1 = off)
+    resolution: int = 64
+    substeps: int = 3  # T': Euler substeps of each clean-image estimate
+    micro_batch: int = 8  # samples per forward/backward (per rank)
+
+
+@dataclass
+class CreditConfig:
+    global_std: bool = False  # flow_grpo: std over the whole batch instead of the group
+    adv_clip: float = 5.0
+    eps: float = 1e-4
+    balance: bool = True  # turning_point: balance positive and negative turning points
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup: int = 0  # iterations of linear LR warm-up
+    grad_clip: float = 1.0
+    clip_range: float = 1e-4  # PPO ratio clip
+    beta: float = 0.0  # KL weight to the reference (adapter disabled)
+    updates_per_iteration: int = 1  # optimizer steps per iteration (the batch split evenly)
+    ema: float = 0.0  # EMA decay of the trainable weights (0 = off); used for evaluation
+    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1, 2 or 3
+    precision: str = "fp32"  # fp32 | bf16 | fp16 for the trained transformer (DeepSpeed)
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
+    options: dict[str, dict] = field(default_factory=dict)  # per-reward options (paths, url, ...)
+    batch_size: int = 256  # images per reward call
+
+
+@dataclass
+class EvalConfig:
+    before_after: bool = True  # evaluate the base model before training and the result after it
+    every: int = 0  # iterations between evaluations during training (0 = none)
+    prompts: str = "shapeeval:test"
+    reward: str = "shapes"  # scores held-out samples; must report "strict" and "score"
+    seeds: int = 4
+    steps: int = 40
+    cfg: float = 4.5
+    limit: int = 0  # prompts evaluated (0 = all)
+    batch_size: int = 64
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "stepfast"
+    report: bool = True  # write the report folder at the end
+    grid_prompts: int = 8  # prompts in the before/after sample grids
+
+
+@dataclass
+class Config:
+    iterations: int = 30
+    output_dir: str = "runs/default"
+    resume: str = "none"  # none | auto | a checkpoint directory
+    seed: int = 0
+    credit: str = "stepwise"  # flow_grpo | stepwise | stepwise_per_step | turning_point
+    sampler: str = "ddim"  # ode | flow_sde | cps | ddim
+    checkpoint_every: int = 10  # iterations between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sde: SdeConfig = field(default_factory=SdeConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    credit_opts: CreditConfig = field(default_factory=CreditConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """`value` checked against the annotation `tp` (ints widen to floats); ConfigError otherwise."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        kt, vt = args if args else (Any, Any)
+        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _apply(obj, data: dict, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    fields = _fields(type(obj))
+    hints = _type_hints(type(obj))
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, f"{where}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], where))
+
+
+def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
+    obj = cfg
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = _fields(type(obj))
+        where = ".".join(parts[: i + 1])
+        if part not in fields:
+            raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields)}")
+        if i == len(parts) - 1:
+            current = getattr(obj, part)
+            if dataclasses.is_dataclass(current):
+                _apply(current, value, f"{where}.")
+            else:
+                setattr(obj, part, _coerce(value, _type_hints(type(obj))[part], where))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"config key {where!r} is a value, not a section")
+
+
+def preset_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = CONFIG_DIR / f"{name}.yaml"
+    if candidate.exists():
+        return candidate
+    presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"no config {name!r}: not a YAML file, and the presets are {', '.join(presets)}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value (dotted keys, e.g. optim.lr=1e-4)")
+    key, _, raw = text.partition("=")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: cannot parse the value: {exc}") from None
+    return key.strip(), value
+
+
+def load_config(preset: str | None = "default", overrides: list[str] | None = None) -> Config:
+    """The preset (a name in stepfast/configs or a YAML path) with `key=value` overrides applied."""
+    cfg = Config()
+    if preset:
+        path = preset_path(preset)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: malformed YAML: {exc}") from None
+        _apply(cfg, data)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+#: The choices of the enumerated keys (config imports nothing of stepfast; a test checks that these
+#: names match stepfast.sde.SAMPLERS and stepfast.credit.ESTIMATORS).
+SAMPLERS = ("ode", "flow_sde", "cps", "ddim")
+CREDIT_ESTIMATORS = ("flow_grpo", "stepwise", "stepwise_per_step", "turning_point")
+LOGPROB_CONVENTIONS = ("gaussian", "cps")
+
+
+def validate(cfg: Config) -> None:
+    choices = {
+        "sampler": SAMPLERS,
+        "credit": CREDIT_ESTIMATORS,
+        "sde.logprob": LOGPROB_CONVENTIONS,
+        "model.dtype": ("fp32", "bf16", "fp16"),
+        "optim.precision": ("fp32", "bf16", "fp16"),
+        "model.attention": ("sdpa", "xformers"),
+    }
+    for key, allowed in choices.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    if cfg.optim.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
+    positive = {
+        "iterations": cfg.iterations, "rollout.groups": cfg.rollout.groups,
+        "rollout.group_size": cfg.rollout.group_size, "rollout.substeps": cfg.rollout.substeps,
+        "rollout.micro_batch": cfg.rollout.micro_batch, "sde.steps": cfg.sde.steps,
+        "optim.updates_per_iteration": cfg.optim.updates_per_iteration,
+    }  # fmt: skip
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.sde.window is not None:
+        w = cfg.sde.window
+        if len(w) != 2 or not 0 <= w[0] < w[1] <= cfg.sde.steps:
+            raise ConfigError(f"sde.window must be [start, end) with 0 <= start < end <= {cfg.sde.steps}, got {w}")
+    if not 0 <= cfg.optim.ema < 1:
+        raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
+    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).exists():
+        raise ConfigError(f"resume: checkpoint {cfg.resume!r} does not exist (use auto, none or a checkpoint dir)")

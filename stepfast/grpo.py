@@ -1,0 +1,216 @@
+"""The four stages of one GRPO iteration on an SD3 policy: rollout, estimates, rewards, update.
+
+Each stage is a function of the policy and the batch; `stepfast/train.py` calls them in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import credit, sde
+from .config import Config
+from .kernels import sde_logprob
+from .loss import grpo_step_loss
+from .policy import PromptEmbeddings, decode, reference_policy, velocity
+from .estimates import EstimateEngine
+from .rollout import Trajectory, sample_trajectory
+
+
+def sde_params(cfg: Config) -> dict:
+    return {"flow_sde": {"noise_level": cfg.sde.noise_level}, "cps": {"noise_level": cfg.sde.noise_level},
+            "ddim": {"eta": cfg.sde.eta}, "ode": {}}[cfg.sampler]  # fmt: skip
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def rollout(model, cond: PromptEmbeddings, x_init, noise, grid, cfg: Config) -> Trajectory:
+    """Sample the local batch in micro-batches (the same ones the update uses, so that the update
+    recomputes the rollout's log-probs bit for bit and on-policy ratios are exactly 1)."""
+    trajs = []
+    for mb in micro_batches(x_init.shape[0], cfg.rollout.micro_batch):
+        c = cond.select(mb)
+        trajs.append(sample_trajectory(
+            lambda x, t: velocity(model, x, t, c, cfg.rollout.cfg), x_init[mb], grid, cfg.sampler,
+            noise=noise[:, mb], sde_window=cfg.sde.window, convention=cfg.sde.logprob,
+            min_std=cfg.sde.min_std, **sde_params(cfg),
+        ))  # fmt: skip
+    first = trajs[0]
+    return Trajectory(
+        states=torch.cat([t.states for t in trajs], dim=1),
+        velocities=torch.cat([t.velocities for t in trajs], dim=1),
+        log_probs=torch.cat([t.log_probs for t in trajs], dim=1),
+        grid=first.grid,
+        trained=first.trained,
+    )
+
+
+class Estimator:
+    """Clean estimates for the trainer through `EstimateEngine`, with the prompt conditioning held in
+    persistent buffers (updated in place every iteration), so that on CUDA the substep forward is
+    captured in a graph once and replayed in every later iteration."""
+
+    def __init__(self, model, cfg_scale: float, use_cuda_graph: bool | str = "auto"):
+        self.model, self.cfg_scale = model, cfg_scale
+        self.cond: PromptEmbeddings | None = None
+        self.engine = EstimateEngine(self._velocity, use_cuda_graph)
+
+    def _velocity(self, x, t):
+        return velocity(self.model, x, t, self.cond, self.cfg_scale)
+
+    def _load(self, cond: PromptEmbeddings) -> None:
+        fields = ("embeds", "pooled", "neg_embeds", "neg_pooled")
+        same = self.cond is not None and all(
+            (getattr(cond, f) is None) == (getattr(self.cond, f) is None)
+            and (getattr(cond, f) is None or getattr(cond, f).shape == getattr(self.cond, f).shape)
+            for f in fields
+        )
+        if not same:
+            self.cond = PromptEmbeddings(*(None if getattr(cond, f) is None else getattr(cond, f).clone() for f in fields))
+            self.engine.reset()
+            return
+        for f in fields:
+            if getattr(cond, f) is not None:
+                getattr(self.cond, f).copy_(getattr(cond, f))
+
+    def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None):
+        self._load(cond)
+        return self.engine(states, t, substeps, first_velocity)
+
+
+@torch.no_grad()
+def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config) -> torch.Tensor:
+    """Decoded images [T + 1, B, 3, H, W] in sampling order: the clean estimates of states 0..T-1,
+    all T x B of them as ONE batch per substep (per-sample times; the first substep reuses the
+    rollout's velocity), and the final sample. Without estimates (flow_grpo) only the final image
+    is decoded and the other columns are left empty (NaN)."""
+    steps, b = traj.num_steps, traj.states.shape[1]
+    final = decode(pipe, traj.states[-1])
+    if cfg.credit == "flow_grpo":
+        out = torch.full((steps + 1, *final.shape), float("nan"))
+        out[-1] = final
+        return out
+    shape = traj.states.shape[2:]
+    index = torch.arange(b).repeat(steps)  # state j of sample i sits at j * B + i
+    x0 = estimator(
+        cond.select(index), traj.states[:-1].reshape(steps * b, *shape),
+        traj.grid[:-1].to(traj.states.device).repeat_interleave(b), cfg.rollout.substeps,
+        first_velocity=traj.velocities.reshape(steps * b, *shape),
+    )  # fmt: skip
+    est = decode(pipe, x0, batch_size=max(64, b)).reshape(steps, b, *final.shape[1:])
+    return torch.cat([est, final[None]])
+
+
+def score_images(reward, images: torch.Tensor, prompts: list[str], metadata: list, batch_size: int):
+    """Rewards [B, T + 1] (NaN where an image is absent) and the mean of each reported part."""
+    columns, b = images.shape[0], images.shape[1]
+    present = [j for j in range(columns) if not torch.isnan(images[j, 0, 0, 0, 0])]
+    flat = images[present].reshape(len(present) * b, *images.shape[2:])
+    flat_prompts = prompts * len(present)
+    flat_meta = metadata * len(present) if metadata is not None else None
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, flat.shape[0], batch_size):
+        sl = slice(start, start + batch_size)
+        out = reward.score(flat[sl], flat_prompts[sl], None if flat_meta is None else flat_meta[sl])
+        for k, v in out.items():
+            parts.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
+    scores = {k: torch.cat(v).reshape(len(present), b) for k, v in parts.items()}
+    rewards = torch.full((b, columns), float("nan"))
+    rewards[:, present] = scores["score"].T
+    final_parts = {k: float(v[-1].mean()) for k, v in scores.items() if not k.endswith("category")}
+    return rewards, final_parts
+
+
+def advantages(global_rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Advantages [G * N, T] from the gathered rewards [G * N, T + 1] (group-major)."""
+    g, n = cfg.rollout.groups, cfg.rollout.group_size
+    r = global_rewards.reshape(g, n, -1)
+    if cfg.credit == "flow_grpo":
+        r = torch.nan_to_num(r, nan=0.0)  # only the final column is read
+    opts = {"eps": cfg.credit_opts.eps, "adv_clip": cfg.credit_opts.adv_clip}
+    if cfg.credit == "flow_grpo":
+        opts["global_std"] = cfg.credit_opts.global_std
+    if cfg.credit == "turning_point":
+        opts["balance"] = cfg.credit_opts.balance
+    return credit.compute_advantages(cfg.credit, r, **opts).reshape(g * n, -1)
+
+
+@dataclass
+class UpdateStats:
+    sums: dict[str, float]
+    count: int
+    first: dict[str, float]  # statistics of the first micro-step (on-policy: ratio exactly 1)
+    grad_norms: list[float]
+
+    def summary(self) -> dict[str, float]:
+        out = {k: v / max(self.count, 1) for k, v in self.sums.items() if not k.endswith(("_min", "_max"))}
+        out.update({k: v for k, v in self.sums.items() if k.endswith(("_min", "_max"))})
+        out.update({f"first_{k}": v for k, v in self.first.items()})
+        if self.grad_norms:
+            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        return out
+
+
+def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, cfg: Config, ema=None) -> UpdateStats:
+    """Backward through every trained step of every micro-batch; DeepSpeed accumulates the gradients
+    and steps the optimizer `optim.updates_per_iteration` times (every accumulation boundary)."""
+    params = sde_params(cfg)
+    b = traj.states.shape[1]
+    device = traj.states.device
+    stats = UpdateStats(sums={}, count=0, first={}, grad_norms=[])
+    steps = traj.trained.nonzero().flatten().tolist()
+    for mb in micro_batches(b, cfg.rollout.micro_batch):
+        c = cond.select(mb)
+        for j in steps:
+            x = traj.states[j, mb]
+            t = traj.grid[j].expand(x.shape[0]).to(device)
+            s = traj.grid[j + 1].expand(x.shape[0]).to(device)
+            v = velocity(engine, x, t, c, cfg.rollout.cfg)
+            v_ref = None
+            if cfg.optim.beta > 0:
+                with torch.no_grad(), reference_policy(engine.module):
+                    v_ref = velocity(engine.module, x, t, c, cfg.rollout.cfg)
+            out = sde_logprob(cfg.sampler, x, v, t, s, traj.states[j + 1, mb], v_ref=v_ref,
+                              convention=cfg.sde.logprob, **params)  # fmt: skip
+            step = grpo_step_loss(out.log_prob, traj.log_probs[j, mb], adv[mb, j].to(device),
+                                  clip_range=cfg.optim.clip_range, adv_clip=cfg.credit_opts.adv_clip,
+                                  kl=out.kl, beta=cfg.optim.beta)  # fmt: skip
+            engine.backward(step.loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            if boundary:
+                norm = engine.get_global_grad_norm()
+                if norm is not None:
+                    stats.grad_norms.append(float(norm))
+                if ema is not None:
+                    ema.update(engine.module)
+            values = step.stats()
+            if not stats.first:
+                stats.first = {k: values[k] for k in ("ratio_mean", "ratio_min", "ratio_max")}
+            for k, val in values.items():
+                if k.endswith("_min"):
+                    stats.sums[k] = min(stats.sums.get(k, val), val)
+                elif k.endswith("_max"):
+                    stats.sums[k] = max(stats.sums.get(k, val), val)
+                else:
+                    stats.sums[k] = stats.sums.get(k, 0.0) + val
+            stats.count += 1
+    return stats
+
+
+def gain_magnitudes(global_rewards: torch.Tensor) -> torch.Tensor | None:
+    """Mean |r_{j+1} - r_j| per step over the batch [T], or None without estimates."""
+    if torch.isnan(global_rewards).any():
+        return None
+    return (global_rewards[:, 1:] - global_rewards[:, :-1]).abs().mean(0)
+
+
+def trained_steps(cfg: Config) -> list[int]:
+    grid = sde.sd3_time_grid(cfg.sde.steps)
+    stochastic = ~sde.degenerate_steps(cfg.sampler, grid, threshold=cfg.sde.min_std, **sde_params(cfg))
+    window = range(cfg.sde.steps) if cfg.sde.window is None else range(*cfg.sde.window)
+    return [j for j in range(cfg.sde.steps) if j in window and bool(stochastic[j])]

@@ -1,0 +1,92 @@
+"""Metrics of a run: one CSV row per iteration, TensorBoard scalars, W&B when installed and asked for.
+
+Only rank 0 writes. On resume, rows past the checkpoint's iteration (written by the run that died
+after logging them but before checkpointing) are dropped, so the CSV has each iteration once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, output_dir, enabled: bool, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "stepfast", config: dict | None = None, resume_from: int = 0):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.csv"
+        self.rows: list[dict] = []
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if self.path.exists():
+            with self.path.open() as f:
+                self.rows = [r for r in csv.DictReader(f) if int(r["iteration"]) <= resume_from]
+            self.rows = [{k: _num(v) for k, v in r.items()} for r in self.rows]
+            self._rewrite()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_from + 1)
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError as exc:
+                raise RuntimeError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
+            self.wandb = wandb_module.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
+
+    def log(self, iteration: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"iteration": iteration, **values}
+        self.rows.append(row)
+        if set(row) - set(self.rows[0]) or len(self.rows) == 1:
+            self._rewrite()
+        else:
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=list(self.rows[0])).writerow({k: row.get(k, "") for k in self.rows[0]})
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, iteration)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=iteration)
+
+    def _rewrite(self) -> None:
+        fields: list[str] = []
+        for r in self.rows:
+            fields += [k for k in r if k not in fields]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields or ["iteration"])
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({k: r.get(k, "") for k in fields})
+        tmp.replace(self.path)
+        if self.rows and list(self.rows[0]) != fields:
+            self.rows[0] = {k: self.rows[0].get(k, "") for k in fields}
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _num(v: str):
+    try:
+        return int(v)
+    except ValueError:
+        try:
+            return float(v)
+        except ValueError:
+            return v
+
+
+def write_json(path, data) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

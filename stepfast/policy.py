@@ -1,0 +1,146 @@
+"""The policy: a diffusers SD3 pipeline whose transformer is trained (LoRA or full), seen as a
+velocity model with prompt conditioning and classifier-free guidance.
+
+The text encoders and the VAE stay frozen: prompts are encoded once per iteration, images are
+decoded once per reward batch. The reference policy for the KL penalty is the same transformer with
+its LoRA adapter disabled, so no second copy of the weights is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .models import EMBEDDED_MODEL, load_pipeline, text_length
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class PromptEmbeddings:
+    """Conditional (and, with CFG, unconditional) embeddings of a batch of prompts."""
+
+    embeds: torch.Tensor  # [B, L, D]
+    pooled: torch.Tensor  # [B, P]
+    neg_embeds: torch.Tensor | None = None
+    neg_pooled: torch.Tensor | None = None
+
+    def select(self, index) -> "PromptEmbeddings":
+        pick = (lambda x: None if x is None else x[index])
+        return PromptEmbeddings(pick(self.embeds), pick(self.pooled), pick(self.neg_embeds), pick(self.neg_pooled))
+
+
+def resolve_model_path(path: str) -> str:
+    return EMBEDDED_MODEL if path == "embedded" else path
+
+
+def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
+    """The pipeline with the trainable transformer prepared (LoRA adapter, checkpointing, attention)."""
+    pipe = load_pipeline(resolve_model_path(cfg.path), dtype=DTYPES[cfg.dtype], device=device)
+    transformer = pipe.transformer
+    if cfg.attention == "xformers":
+        try:
+            transformer.enable_xformers_memory_efficient_attention()
+        except Exception as exc:  # not installed, or no CUDA
+            raise RuntimeError(f"model.attention=xformers, but xformers cannot be used here: {exc}") from exc
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if cfg.lora:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(
+            LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                       target_modules=list(cfg.lora_targets))
+        )
+        # trainable weights in fp32 whatever the base dtype: optimizer states stay exact
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        transformer.requires_grad_(True)
+    return pipe
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: list[str], cfg_scale: float, device) -> PromptEmbeddings:
+    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+        prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+        do_classifier_free_guidance=cfg_scale > 1, negative_prompt=[""] * len(prompts),
+        max_sequence_length=text_length(pipe),
+    )  # fmt: skip
+    if cfg_scale > 1:
+        return PromptEmbeddings(embeds, pooled, neg, neg_pooled)
+    return PromptEmbeddings(embeds, pooled)
+
+
+def velocity(transformer, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeddings, cfg_scale: float) -> torch.Tensor:
+    """v(x, t | prompt), guided: v_u + w (v_c - v_u) when cfg_scale > 1. t: [B] in [0, 1].
+
+    The SD3 transformer takes timesteps on diffusers' 0..1000 scale.
+    """
+    dtype = next(transformer.parameters()).dtype
+    if cfg_scale > 1:
+        xin = torch.cat([x, x])
+        tin = torch.cat([t, t])
+        emb = torch.cat([cond.neg_embeds, cond.embeds])
+        pooled = torch.cat([cond.neg_pooled, cond.pooled])
+    else:
+        xin, tin, emb, pooled = x, t, cond.embeds, cond.pooled
+    out = transformer(
+        hidden_states=xin.to(dtype), timestep=(tin * 1000).to(dtype), encoder_hidden_states=emb.to(dtype),
+        pooled_projections=pooled.to(dtype), return_dict=False,
+    )[0].float()  # fmt: skip
+    if cfg_scale > 1:
+        v_u, v_c = out.chunk(2)
+        return v_u + cfg_scale * (v_c - v_u)
+    return out
+
+
+@contextlib.contextmanager
+def reference_policy(transformer):
+    """The reference policy for the KL: the base weights, i.e. the LoRA adapter disabled."""
+    if not getattr(transformer, "_hf_peft_config_loaded", False):
+        raise ValueError("the KL penalty (optim.beta > 0) needs LoRA: the reference is the model without its adapter")
+    transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        transformer.enable_adapters()
+
+
+def latent_shape(pipe, batch: int, resolution: int) -> tuple[int, ...]:
+    scale = pipe.vae_scale_factor
+    if resolution % scale:
+        raise ValueError(f"rollout.resolution {resolution} must be a multiple of the VAE's factor {scale}")
+    return (batch, pipe.transformer.config.in_channels, resolution // scale, resolution // scale)
+
+
+@torch.no_grad()
+def decode(pipe, latents: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """Latents -> images as float [B, 3, H, W] in [0, 1] (on the CPU), decoded in chunks."""
+    vae = pipe.vae
+    out = []
+    for chunk in latents.split(batch_size):
+        z = chunk.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        img = vae.decode(z, return_dict=False)[0]
+        out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
+    return torch.cat(out)
+
+
+def save_lora(transformer, directory: str | Path) -> None:
+    """The adapter in diffusers' format (loadable with `pipe.load_lora_weights(directory)`)."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(transformer)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state)

@@ -1,0 +1,117 @@
+"""The report folder written at the end of a run: curves, the per-step gain heatmap, sample grids
+before and after training, and a Markdown summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _column(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["iteration"], r[key]) for r in rows if r.get(key, "") not in ("", None)]
+    if not pts:
+        return np.array([]), np.array([])
+    it, val = zip(*pts)
+    return np.asarray(it, dtype=float), np.asarray(val, dtype=float)
+
+
+def reward_curve(rows: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    it, r = _column(rows, "reward")
+    ax.plot(it, r, label="train reward (final images)")
+    if len(r) >= 5:
+        k = max(len(r) // 10, 2)
+        ax.plot(it[k - 1:], np.convolve(r, np.ones(k) / k, mode="valid"), label=f"moving mean ({k})")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def eval_curve(evals: dict, iterations: int, path: Path) -> None:
+    plt = _plt()
+    xs, strict, score = [], [], []
+    for tag, e in evals.items():
+        x = 0 if tag == "before" else iterations if tag == "after" else int(tag.removeprefix("iter"))
+        xs.append(x)
+        strict.append(e["overall"]["strict"])
+        score.append(e["overall"]["score"])
+    order = np.argsort(xs)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(np.array(xs)[order], np.array(strict)[order], "o-", label="overall (strict)")
+    ax.plot(np.array(xs)[order], np.array(score)[order], "s--", label="overall (partial score)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("held-out score")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def gain_heatmap(rows: list[dict], path: Path) -> bool:
+    """Mean |reward gain| per denoising step (rows) over training (columns)."""
+    keys = sorted({k for r in rows for k in r if k.startswith("gain/")}, key=lambda k: int(k.split("/")[1]))
+    rows = [r for r in rows if keys and r.get(keys[0], "") not in ("", None)]
+    if not keys or not rows:
+        return False
+    data = np.array([[float(r[k]) for r in rows] for k in keys])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    im = ax.imshow(data, aspect="auto", origin="upper", cmap="viridis",
+                   extent=(rows[0]["iteration"] - 0.5, rows[-1]["iteration"] + 0.5, len(keys) - 0.5, -0.5))
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("denoising step j (x_j -> x_j+1)")
+    fig.colorbar(im, ax=ax, label="mean |gain|")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, after: dict | None, cfg) -> Path:
+    from stepfast.evaluate import markdown_table, sample_grid
+
+    report = Path(out) / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    lines = [f"# stepfast run: {cfg.credit} credit, {cfg.sampler} sampler", ""]
+    if rows:
+        reward_curve(rows, report / "reward_curve.png")
+        lines += ["![reward](reward_curve.png)", ""]
+        last = rows[-1]
+        times = {k: last[k] for k in last if str(k).startswith("time/")}
+        lines += [f"Iterations: {last['iteration']}; last train reward {float(last['reward']):.3f}; "
+                  f"seconds per iteration {float(last.get('time/iteration', float('nan'))):.1f} "
+                  f"({', '.join(f'{k[5:]} {float(v):.1f}' for k, v in times.items() if k != 'time/iteration')})",
+                  ""]  # fmt: skip
+    if gain_heatmap(rows, report / "gain_heatmap.png"):
+        lines += ["Mean |reward gain| per denoising step over training:", "", "![gains](gain_heatmap.png)", ""]
+    if evals:
+        eval_curve(evals, cfg.iterations, report / "eval_curve.png")
+        lines += ["![eval](eval_curve.png)", ""]
+    for tag in ("before", "after"):
+        if tag in evals:
+            lines += [f"## Held-out evaluation {tag} training", "", markdown_table(evals[tag]), ""]
+    if "before" in evals and "after" in evals:
+        b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
+        lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
+    for tag, result in (("before", before), ("after", after)):
+        if result is not None and "images" in result:
+            grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
+                               max_rows=cfg.log.grid_prompts)  # fmt: skip
+            grid.save(report / f"samples_{tag}.png")
+            lines += [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
+    (report / "summary.md").write_text("\n".join(lines))
+    return report

@@ -1,0 +1,80 @@
+"""Configuration: presets, dotted overrides, and errors that name the key."""
+
+import pytest
+
+from stepfast import config as config_module
+from stepfast import credit, sde
+from stepfast.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("name", ["default", "flow_grpo", "sd3_medium_geneval", "sd3_medium_pickscore"])
+def test_presets_load(name):
+    cfg = load_config(name)
+    assert cfg.iterations >= 1 and cfg.output_dir
+
+
+def test_default_and_flow_grpo_presets():
+    default, flow = load_config("default"), load_config("flow_grpo")
+    assert (default.credit, default.sampler, default.rollout.same_latent) == ("stepwise", "ddim", True)
+    assert default.reward.weights == {"shapes": 1.0} and default.model.path == "embedded"
+    assert (flow.credit, flow.sampler, flow.sde.noise_level) == ("flow_grpo", "flow_sde", 0.7)
+    assert flow.sde.window == [0, int(0.99 * flow.sde.steps)] and not flow.rollout.same_latent
+    assert flow.optim.clip_range == 1e-4 and flow.credit_opts.adv_clip == 5.0
+    # same model, batch and budget
+    for key in ("iterations",):
+        assert getattr(flow, key) == getattr(default, key)
+    assert (flow.model.path, flow.rollout.groups, flow.rollout.group_size, flow.sde.steps) == (
+        default.model.path, default.rollout.groups, default.rollout.group_size, default.sde.steps)
+
+
+def test_sd3_presets_follow_method_defaults():
+    cfg = load_config("sd3_medium_geneval")
+    assert (cfg.rollout.resolution, cfg.sde.steps, cfg.eval.steps, cfg.rollout.cfg) == (512, 10, 40, 4.5)
+    assert (cfg.rollout.group_size, cfg.rollout.groups, cfg.model.lora_rank, cfg.model.lora_alpha) == (24, 48, 32, 64)
+    assert cfg.optim.beta == 0.04 and load_config("sd3_medium_pickscore").optim.beta == 0.01
+
+
+def test_dotted_overrides_and_types():
+    cfg = load_config("default", ["iterations=3", "optim.lr=1e-5", "sde.window=[1, 4]", "rollout.same_latent=false",
+                                  "reward.weights={shapes: 1.0, jpeg_compressibility: 0.5}", "optim.ema=0"])
+    assert cfg.iterations == 3 and cfg.optim.lr == 1e-5 and cfg.sde.window == [1, 4]
+    assert cfg.rollout.same_latent is False and cfg.reward.weights["jpeg_compressibility"] == 0.5
+    assert isinstance(cfg.optim.ema, float)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("iteratons=3", "unknown config key 'iteratons'; did you mean 'iterations'?"),
+    ("optim.lerning_rate=1", "unknown config key 'optim.lerning_rate'"),
+    ("rollout.group_sise=3", "did you mean 'group_size'?"),
+    ("iterations=many", "iterations: expected int, got 'many'"),
+    ("rollout.same_latent=3", "rollout.same_latent: expected true or false"),
+    ("sampler=euler", "sampler: 'euler' is not one of"),
+    ("credit=stepwize", "credit: 'stepwize' is not one of"),
+    ("sde.window=[3, 2]", "sde.window must be [start, end)"),
+    ("iterations.x=3", "is a value, not a section"),
+    ("iterations", "must look like key=value"),
+    ("resume=/no/such/checkpoint", "does not exist"),
+])  # fmt: skip
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("default", [override])
+    assert message in str(err.value)
+
+
+def test_bad_preset_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no config 'nope'.*default"):
+        load_config("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rollout:\n  grups: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.grups'; did you mean 'groups'"):
+        load_config(str(typo))
+
+
+def test_config_choices_match_the_math_modules():
+    assert config_module.SAMPLERS == sde.SAMPLERS
+    assert config_module.CREDIT_ESTIMATORS == tuple(credit.ESTIMATORS)
+    assert config_module.LOGPROB_CONVENTIONS == sde.LOGPROB_CONVENTIONS

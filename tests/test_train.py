@@ -1,0 +1,225 @@
+"""The trainer end to end on a tiny random SD3 pipeline saved to disk, run as the user runs it
+(`python stepfast/train.py` and `deepspeed --num_gpus 2 stepfast/train.py`) in subprocesses."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from stepfast import checkpoint
+from stepfast.engine import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "stepfast" / "train.py"
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), e.get("PYTHONPATH", "")])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def base_config(model_dir: Path, out: Path, **extra) -> dict:
+    cfg = {
+        "iterations": 4, "output_dir": str(out), "seed": 3, "checkpoint_every": 2, "keep_checkpoints": 3,
+        "model": {"path": str(model_dir), "lora_rank": 4, "lora_alpha": 8},
+        "sde": {"steps": 5},
+        "rollout": {"groups": 2, "group_size": 4, "micro_batch": 4, "substeps": 2, "cfg": 2.0},
+        "optim": {"lr": 3e-2, "clip_range": 0.2, "updates_per_iteration": 1},
+        "reward": {"weights": {"train_helpers:brightness": 1.0}},
+        "eval": {"before_after": False},
+        "log": {"tensorboard": True, "report": True},
+    }  # fmt: skip
+    for key, value in extra.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True):
+    if ranks == 1:
+        cmd = [sys.executable, str(TRAIN), "--config", str(config), *overrides]
+    else:
+        cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(TRAIN),
+               "--config", str(config), *overrides]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    with (out / "metrics.csv").open() as f:
+        return [{k: float(v) if v not in ("",) else None for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from stepfast.models.tiny import tiny_pipeline_dir
+
+    return tiny_pipeline_dir(tmp_path_factory.mktemp("model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, tmp_path_factory):
+    """A 4-iteration single-rank run, checkpoints at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    out = tmp / "run"
+    config = write_config(tmp / "cfg.yaml", base_config(model_dir, out))
+    train(config)
+    return config, out
+
+
+def test_run_writes_metrics_checkpoints_and_report(baseline):
+    _, out = baseline
+    rows = metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        # on-policy: the first micro-step of every iteration recomputes the rollout's log-probs exactly
+        assert r["first_ratio_min"] == 1.0 and r["first_ratio_max"] == 1.0
+        for phase in ("rollout", "estimates", "rewards", "update"):
+            assert r[f"time/{phase}"] > 0
+        assert r["gain/0"] is not None
+    assert rows[-1]["reward"] != rows[0]["reward"]
+    done = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert done == ["checkpoint-000002", "checkpoint-000004"]
+    assert (out / "checkpoints" / "checkpoint-000004" / "lora" / "pytorch_lora_weights.safetensors").exists()
+    assert (out / "report" / "summary.md").exists() and (out / "report" / "reward_curve.png").exists()
+    assert (out / "report" / "gain_heatmap.png").exists()
+    assert list((out / "tensorboard").iterdir())
+
+
+def test_resume_after_sigkill_is_exact(baseline, tmp_path):
+    config, base_out = baseline
+    out = tmp_path / "run"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(out)
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    cmd = [sys.executable, str(TRAIN), "--config", str(config)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    marker = out / "checkpoints" / "checkpoint-000002" / "COMPLETE"
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.latest(out).name == "checkpoint-000002"
+    train(config, "resume=auto")
+    got, want = metrics(out), metrics(base_out)
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    skip = {k for k in want[0] if k.startswith("time/")}
+    for it in (2, 3):  # iterations 3 and 4
+        for key in want[it]:
+            if key not in skip:
+                assert got[it][key] == want[it][key], (it + 1, key, got[it][key], want[it][key])
+
+
+def test_interrupted_checkpoint_write_leaves_previous_usable(baseline, tmp_path):
+    config, base_out = baseline
+    out = tmp_path / "run"
+    shutil.copytree(base_out, out)
+    # a kill while checkpoint 6 was being written: its .tmp folder is half full, no COMPLETE marker
+    partial = out / "checkpoints" / "checkpoint-000006.tmp"
+    shutil.copytree(out / "checkpoints" / "checkpoint-000004", partial)
+    (partial / "COMPLETE").unlink()
+    (partial / "state.pt").write_bytes(b"truncated")
+    assert checkpoint.latest(out).name == "checkpoint-000004"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(out)
+    train(write_config(tmp_path / "cfg.yaml", cfg), "resume=auto", "iterations=5")
+    assert [r["iteration"] for r in metrics(out)] == [1, 2, 3, 4, 5]
+    assert not partial.exists()
+
+
+def test_saved_lora_loads_and_changes_samples(baseline, model_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    _, out = baseline
+    pipe = StableDiffusion3Pipeline.from_pretrained(model_dir)
+
+    def sample():
+        g = torch.Generator().manual_seed(0)
+        return pipe(["a photo of a circle"], num_inference_steps=4, guidance_scale=1.0, height=64, width=64,
+                    generator=g, output_type="pt", max_sequence_length=12).images
+
+    before = sample()
+    pipe.load_lora_weights(str(out / "checkpoints" / "checkpoint-000004" / "lora"))
+    after = sample()
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_two_ranks_equal_one_rank(baseline, tmp_path):
+    config, base_out = baseline
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(tmp_path / "run")
+    cfg["optim"]["zero_stage"] = 2
+    cfg["log"] = {"tensorboard": False, "report": False}
+    train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2)
+    got, want = metrics(tmp_path / "run"), metrics(base_out)
+    assert [r["iteration"] for r in got] == [1, 2]
+    keys = [k for k in want[0] if not k.startswith(("time/", "grad_norm"))]
+    for i in range(2):
+        for key in keys:
+            assert got[i][key] == pytest.approx(want[i][key], abs=1e-5, rel=1e-5), (i + 1, key)
+
+
+# --- bad input: a clear error, exit code 2, nothing lost ----------------------------------------
+
+
+def test_unknown_config_key_suggests_the_closest(model_dir, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
+    proc = train(config, "optim.lerning_rate=1", check=False)
+    assert proc.returncode == 2
+    assert "unknown config key 'optim.lerning_rate'" in proc.stderr
+
+
+def test_missing_model_directory(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", base_config(tmp_path / "nowhere", tmp_path / "run"))
+    proc = train(config, check=False)
+    assert proc.returncode == 2
+    assert f"pipeline directory {tmp_path / 'nowhere'} does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no prompts"),
+    ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', ":2: malformed JSON"),
+])  # fmt: skip
+def test_bad_prompt_file(model_dir, tmp_path, content, message):
+    prompts = tmp_path / "prompts_metadata.jsonl"
+    prompts.write_text(content)
+    cfg = base_config(model_dir, tmp_path / "run", rollout={"prompts": str(prompts)})
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2
+    assert str(prompts) in proc.stderr and message in proc.stderr
+
+
+def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp_path):
+    config, base_out = baseline
+    out = tmp_path / "run"
+    shutil.copytree(base_out, out)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(out)
+    cfg["reward"] = {"weights": {"train_helpers:nan_reward": 1.0}}
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), "resume=auto", "iterations=6", check=False)
+    assert proc.returncode == 2
+    assert "NaN" in proc.stderr or "nan" in proc.stderr
+    assert "last checkpoint" in proc.stderr and "checkpoint-000004" in proc.stderr
+    assert checkpoint.latest(out).name == "checkpoint-000004"

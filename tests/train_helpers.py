@@ -1,0 +1,16 @@
+"""Rewards for trainer tests, importable by path ("train_helpers:brightness") from subprocesses."""
+
+import torch
+
+from stepfast.rewards.images import to_uint8
+
+
+def brightness(images, prompts, metadata=None):
+    """A smooth reward any random model gets signal from: mean brightness of the image."""
+    return {"score": torch.as_tensor(to_uint8(images), dtype=torch.float32).mean(dim=(1, 2, 3)) / 255}
+
+
+def nan_reward(images, prompts, metadata=None):
+    score = brightness(images, prompts)["score"]
+    score[len(score) // 2] = float("nan")
+    return {"score": score}
