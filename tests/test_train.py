@@ -223,3 +223,39 @@ def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp
     assert "NaN" in proc.stderr or "nan" in proc.stderr
     assert "last checkpoint" in proc.stderr and "checkpoint-000004" in proc.stderr
     assert checkpoint.latest(out).name == "checkpoint-000004"
+
+
+def test_reward_server_death_stops_training_with_its_error_and_keeps_checkpoints(model_dir, tmp_path):
+    """The server is started on loopback by this test and killed after checkpoint 2."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "stepfast.reward_server", "--rewards", "train_helpers:brightness", "--port", str(port)],
+        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert "reward server" in server.stdout.readline()  # serving
+        out = tmp_path / "run"
+        cfg = base_config(model_dir, out, iterations=8, reward={
+            "weights": {"remote": 1.0},
+            "options": {"remote": {"url": f"http://127.0.0.1:{port}", "rewards": ["train_helpers:brightness"],
+                                   "retries": 2, "backoff": 0.05, "timeout": 5.0}},
+        })  # fmt: skip
+        config = write_config(tmp_path / "cfg.yaml", cfg)
+        trainer = subprocess.Popen([sys.executable, str(TRAIN), "--config", str(config)], cwd=ROOT, env=env(),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        marker = out / "checkpoints" / "checkpoint-000002" / "COMPLETE"
+        deadline = time.time() + 600
+        while not marker.exists():
+            assert trainer.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        server.kill()
+        server.wait()
+        _, stderr = trainer.communicate(timeout=600)
+    finally:
+        server.kill()
+    assert trainer.returncode != 0
+    assert "RewardServerError" in stderr and f"127.0.0.1:{port}" in stderr
+    assert "last checkpoint" in stderr
+    latest = checkpoint.latest(out)
+    assert latest is not None and latest.name in ("checkpoint-000002", "checkpoint-000004")
+    assert (latest / "lora" / "pytorch_lora_weights.safetensors").exists()
