@@ -94,6 +94,7 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
     options: dict[str, dict] = field(default_factory=dict)  # per-reward options (paths, url, ...)
     batch_size: int = 256  # images per reward call
+    async_scoring: bool = True  # score in a background thread while the estimates are computed
 
 
 @dataclass

@@ -5,6 +5,7 @@ Each stage is a function of the policy and the batch; `stepfast/train.py` calls 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -84,16 +85,9 @@ class Estimator:
 
 @torch.no_grad()
 def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config) -> torch.Tensor:
-    """Decoded images [T + 1, B, 3, H, W] in sampling order: the clean estimates of states 0..T-1,
-    all T x B of them as ONE batch per substep (per-sample times; the first substep reuses the
-    rollout's velocity), and the final sample. Without estimates (flow_grpo) only the final image
-    is decoded and the other columns are left empty (NaN)."""
+    """Decoded clean estimates [T, B, 3, H, W] of states 0..T-1 in sampling order: all T x B of them
+    as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity)."""
     steps, b = traj.num_steps, traj.states.shape[1]
-    final = decode(pipe, traj.states[-1])
-    if cfg.credit == "flow_grpo":
-        out = torch.full((steps + 1, *final.shape), float("nan"))
-        out[-1] = final
-        return out
     shape = traj.states.shape[2:]
     index = torch.arange(b).repeat(steps)  # state j of sample i sits at j * B + i
     x0 = estimator(
@@ -101,36 +95,47 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
         traj.grid[:-1].to(traj.states.device).repeat_interleave(b), cfg.rollout.substeps,
         first_velocity=traj.velocities.reshape(steps * b, *shape),
     )  # fmt: skip
-    est = decode(pipe, x0, batch_size=max(64, b)).reshape(steps, b, *final.shape[1:])
-    return torch.cat([est, final[None]])
+    images = decode(pipe, x0, batch_size=max(64, b))
+    return images.reshape(steps, b, *images.shape[1:])
 
 
-def score_images(reward, images: torch.Tensor, prompts: list[str], metadata: list, batch_size: int):
-    """Rewards [B, T + 1] (NaN where an image is absent) and the mean of each reported part."""
-    columns, b = images.shape[0], images.shape[1]
-    present = [j for j in range(columns) if not torch.isnan(images[j, 0, 0, 0, 0])]
-    flat = images[present].reshape(len(present) * b, *images.shape[2:])
-    flat_prompts = prompts * len(present)
-    flat_meta = metadata * len(present) if metadata is not None else None
-    parts: dict[str, list[torch.Tensor]] = {}
-    for start in range(0, flat.shape[0], batch_size):
+class InlineScorer:
+    """The AsyncScorer interface, scoring at once in the calling thread."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def submit(self, images, prompts, metadata=None) -> Future:
+        done = Future()
+        done.set_result(self.reward.score(images, prompts, metadata))
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+def submit_scores(scorer, images: torch.Tensor, prompts: list[str], metadata: list | None, batch_size: int) -> list[Future]:
+    """Queue images [M, 3, H, W] for scoring in chunks of batch_size; `collect_scores` gathers them."""
+    pending = []
+    for start in range(0, images.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        out = reward.score(flat[sl], flat_prompts[sl], None if flat_meta is None else flat_meta[sl])
-        for k, v in out.items():
+        pending.append(scorer.submit(images[sl], prompts[sl], None if metadata is None else metadata[sl]))
+    return pending
+
+
+def collect_scores(pending: list[Future]) -> dict[str, torch.Tensor]:
+    """The scores of every chunk, concatenated: {key: [M]} (the reward's error, if it raised)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for future in pending:
+        for k, v in future.result().items():
             parts.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
-    scores = {k: torch.cat(v).reshape(len(present), b) for k, v in parts.items()}
-    rewards = torch.full((b, columns), float("nan"))
-    rewards[:, present] = scores["score"].T
-    final_parts = {k: float(v[-1].mean()) for k, v in scores.items() if not k.endswith("category")}
-    return rewards, final_parts
+    return {k: torch.cat(v) for k, v in parts.items()}
 
 
 def advantages(global_rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Advantages [G * N, T] from the gathered rewards [G * N, T + 1] (group-major)."""
     g, n = cfg.rollout.groups, cfg.rollout.group_size
     r = global_rewards.reshape(g, n, -1)
-    if cfg.credit == "flow_grpo":
-        r = torch.nan_to_num(r, nan=0.0)  # only the final column is read
     opts = {"eps": cfg.credit_opts.eps, "adv_clip": cfg.credit_opts.adv_clip}
     if cfg.credit == "flow_grpo":
         opts["global_std"] = cfg.credit_opts.global_std
@@ -202,10 +207,8 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     return stats
 
 
-def gain_magnitudes(global_rewards: torch.Tensor) -> torch.Tensor | None:
-    """Mean |r_{j+1} - r_j| per step over the batch [T], or None without estimates."""
-    if torch.isnan(global_rewards).any():
-        return None
+def gain_magnitudes(global_rewards: torch.Tensor) -> torch.Tensor:
+    """Mean |r_{j+1} - r_j| per step over the batch [T]."""
     return (global_rewards[:, 1:] - global_rewards[:, :-1]).abs().mean(0)
 
 

@@ -28,7 +28,8 @@ from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats
 from stepfast.metrics import MetricsLogger, write_json
-from stepfast.policy import encode_prompts, latent_shape, load_policy_pipeline, save_lora
+from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora
+from stepfast.rewards.async_scoring import AsyncScorer
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -53,6 +54,7 @@ class Trainer:
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed)  # fmt: skip
         self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
+        self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else grpo.InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg)
@@ -117,12 +119,25 @@ class Trainer:
         traj = grpo.rollout(model, cond, x_init.to(self.device), noise.to(self.device), self.grid, cfg)
         times["time/rollout"] = time.perf_counter() - t0
 
+        # the final images are scored (in the background with reward.async_scoring) while the
+        # clean estimates of the intermediate states are computed
         t0 = time.perf_counter()
-        images = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg)
+        bs = cfg.reward.batch_size
+        pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1]), texts, metas, bs)
+        stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only
+        if stepwise:
+            est = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg)
+            steps = est.shape[0]
+            pending_est = grpo.submit_scores(self.scorer, est.flatten(0, 1), texts * steps,
+                                             None if metas is None else metas * steps, bs)  # fmt: skip
         times["time/estimates"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        local_rewards, parts = grpo.score_images(self.reward, images, texts, metas, cfg.reward.batch_size)
+        final = grpo.collect_scores(pending_final)
+        local_rewards = torch.zeros(len(texts), cfg.sde.steps + 1)
+        local_rewards[:, -1] = final["score"]
+        if stepwise:
+            local_rewards[:, :-1] = grpo.collect_scores(pending_est)["score"].reshape(steps, -1).T
         global_rewards = all_gather_cat(local_rewards.to(self.device), self.world).cpu()
         adv = grpo.advantages(global_rewards, cfg)[batch.start: batch.start + len(texts)]
         times["time/rewards"] = time.perf_counter() - t0
@@ -131,13 +146,12 @@ class Trainer:
         stats = grpo.update(self.engine, cond, traj, adv, cfg, self.ema)
         times["time/update"] = time.perf_counter() - t0
 
-        final = global_rewards[:, -1]
-        metrics = {"reward": float(final.mean()), "reward_std": float(final.std(correction=0)),
-                   **{f"reward/{k}": v for k, v in parts.items()}, **stats.summary(),
+        parts = {f"reward/{k}": float(v.mean()) for k, v in final.items() if not k.endswith("category")}
+        metrics = {"reward": float(global_rewards[:, -1].mean()),
+                   "reward_std": float(global_rewards[:, -1].std(correction=0)), **parts, **stats.summary(),
                    "lr": float(self.scheduler.get_last_lr()[0]), **times}  # fmt: skip
-        gains = grpo.gain_magnitudes(global_rewards)
-        if gains is not None:
-            metrics.update({f"gain/{j}": float(g) for j, g in enumerate(gains)})
+        if stepwise:
+            metrics.update({f"gain/{j}": float(g) for j, g in enumerate(grpo.gain_magnitudes(global_rewards))})
         metrics = reduce_stats(metrics, self.world, self.device)
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
@@ -209,6 +223,7 @@ class Trainer:
 
             write_report(self.out, self.logger.rows, self.evals, before, after, cfg)
         self.logger.close()
+        self.scorer.close()
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
 

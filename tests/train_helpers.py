@@ -6,7 +6,11 @@ from stepfast.rewards.images import to_uint8
 
 
 def brightness(images, prompts, metadata=None):
-    """A smooth reward any random model gets signal from: mean brightness of the image."""
+    """A smooth reward any random model gets signal from: mean brightness of the image. Float
+    images are read as they are (no rounding to 8 bits, which would turn last-bit differences
+    between runs into whole quantisation steps)."""
+    if isinstance(images, torch.Tensor) and images.is_floating_point():
+        return {"score": images.float().mean(dim=(1, 2, 3))}
     return {"score": torch.as_tensor(to_uint8(images), dtype=torch.float32).mean(dim=(1, 2, 3)) / 255}
 
 
