@@ -1,0 +1,271 @@
+"""The entry points of the fused ops and the choice of backend behind them.
+
+Backends, all computing the same numbers (tests/test_kernels.py checks each against a float64 reference):
+    triton: kernels/sde_step.py, kernels/sde_logprob.py (on CPU tensors: the Triton interpreter, for tests)
+    cpp:    csrc/ (CPU, OpenMP), registered as torch.ops.stepfast.*
+    torch:  kernels/reference.py, plain autograd code on top of stepfast.sde
+Default: triton on CUDA, cpp on CPU, torch elsewhere. STEPFAST_KERNELS=torch|cpp|triton forces one for
+the whole process, and `backend=` forces one for a call (it wins over the environment variable). A cpp
+backend that was not built falls back to torch with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from stepfast import sde
+
+from . import cpp, reference
+from .coefficients import step_coefficients
+
+BACKENDS = ("torch", "cpp", "triton")
+ENV_VAR = "STEPFAST_KERNELS"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class StepWithLogProb(NamedTuple):
+    """A rollout step: the next state (float32) and the step's log-probability (float32 [B] or [B, L])."""
+
+    sample: torch.Tensor
+    log_prob: torch.Tensor
+
+
+class LogProbAndKL(NamedTuple):
+    """The training-side log-probability (float32 [B] or [B, L]) and the KL to the reference (float32 [B],
+    None without v_ref)."""
+
+    log_prob: torch.Tensor
+    kl: torch.Tensor | None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def select_backend(device: torch.device | str, backend: str | None = None) -> str:
+    """The backend that runs an op on `device`: `backend` if given, else $STEPFAST_KERNELS, else the
+    default for the device (triton on CUDA, cpp on CPU, torch elsewhere)."""
+    device = torch.device(device)
+    choice = backend or os.environ.get(ENV_VAR) or None
+    if choice is not None and choice not in BACKENDS:
+        source = "backend=" if backend else f"${ENV_VAR}"
+        raise ValueError(f"unknown kernel backend {choice!r} (from {source}): expected one of {', '.join(BACKENDS)}")
+    if choice is None:
+        if device.type == "cuda" and _triton_import_error() is None:
+            return "triton"
+        if device.type == "cpu":
+            choice = "cpp"
+        else:
+            return "torch"
+    if choice == "cpp":
+        if device.type != "cpu":
+            raise ValueError(f"the cpp kernel backend runs on CPU tensors, got tensors on {device}")
+        if not cpp.AVAILABLE:
+            _warn_once(
+                f"stepfast: the C++ kernels (stepfast._C) are not available ({cpp.REASON}); using the torch "
+                "backend. Build them with `pip install --no-build-isolation -e .`"
+            )
+            return "torch"
+    if choice == "triton":
+        if _triton_import_error() is not None:
+            raise ImportError(f"the triton kernel backend needs triton: {_triton_import_error()}")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"the triton kernel backend runs on CUDA (or, interpreted, CPU) tensors, got {device}")
+    return choice
+
+
+def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: str, patch_size) -> None:
+    if kind not in sde.SAMPLERS:
+        raise ValueError(f"unknown sampler {kind!r}: expected one of {', '.join(sde.SAMPLERS)}")
+    if convention not in sde.LOGPROB_CONVENTIONS:
+        raise ValueError(f"unknown log-prob convention {convention!r}: expected one of {sde.LOGPROB_CONVENTIONS}")
+    if reduce not in sde.REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduce!r}: expected one of {sde.REDUCTIONS}")
+    if x_t.dim() < 1:
+        raise ValueError("x_t needs a batch dimension")
+    for name, tensor in others.items():
+        if tensor is None:
+            continue
+        if tensor.shape != x_t.shape:
+            raise ValueError(f"x_t and {name} must have the same shape, got {tuple(x_t.shape)} and {tuple(tensor.shape)}")
+        if tensor.device != x_t.device:
+            raise ValueError(f"x_t and {name} must be on the same device, got {x_t.device} and {tensor.device}")
+    if reduce == "tokens":
+        if patch_size is None or patch_size < 1:
+            raise ValueError("reduce='tokens' needs patch_size, the DiT's patch size (2 for SD3)")
+        if x_t.dim() != 4:
+            raise ValueError(f"reduce='tokens' needs [B, C, H, W] latents, got shape {tuple(x_t.shape)}")
+        if x_t.shape[2] % patch_size or x_t.shape[3] % patch_size:
+            raise ValueError(f"latent size {x_t.shape[2]}x{x_t.shape[3]} is not divisible by patch_size {patch_size}")
+
+
+def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params) -> torch.Tensor:
+    """The per-sample coefficient table (kernels/coefficients.py) on x_t's device."""
+    params = sde._params(kind, params)  # validated as stepfast.sde validates them; floats, hashable
+    b = x_t.shape[0]
+    numel = x_t[0].numel() if b else 0
+    reduced = max(x_t.shape[1] * patch_size**2 if reduce == "tokens" else numel, 1)
+    layout = (b, numel, reduced, convention, reduce)
+    if torch.compiler.is_compiling():  # traced as torch ops; the std check reads a value: skipped
+        return step_coefficients(kind, t, s, *layout, x_t.device, check_std=False, **params)
+    devices = [u.device for u in (t, s) if isinstance(u, torch.Tensor) and u.device.type != "cpu"]
+    if devices:  # times on an accelerator: computed there (reading them back would cost a sync)
+        return step_coefficients(kind, t, s, *layout, devices[0], check_std=check_std, **params).to(x_t.device)
+    # Times on the host: the table is a function of their values. A trainer calls the ops with the same
+    # few (t, s) over and over, and building the table takes ~25 small torch ops, a sizeable part of
+    # the op's time on CPU: cache it.
+    key = tuple(sorted(params.items()))
+    return _cached_table(kind, _time_key(t), _time_key(s), layout, check_std, key, x_t.device)
+
+
+def _time_key(t) -> tuple:
+    if isinstance(t, torch.Tensor):
+        return ("tensor", t.dtype, t.dim(), tuple(t.reshape(-1).tolist()))
+    return ("float", float(t))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_table(kind, t_key, s_key, layout, check_std, params, device) -> torch.Tensor:
+    def value(key):
+        if key[0] == "float":
+            return key[1]
+        _, dtype, dim, values = key
+        values = torch.tensor(values, dtype=dtype)
+        return values.reshape(()) if dim == 0 else values
+
+    table = step_coefficients(
+        kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, **dict(params)
+    )
+    return table.to(device)
+
+
+def _kernel_input(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Contiguous, in a dtype the kernels load (float32, bfloat16, float16; anything else as float32)."""
+    if x is None:
+        return None
+    if x.dtype not in _KERNEL_DTYPES:
+        x = x.float()
+    return x.contiguous()
+
+
+def sde_step_with_logprob(
+    kind: str,
+    x_t: torch.Tensor,
+    v: torch.Tensor,
+    t,
+    s,
+    noise: torch.Tensor | None = None,
+    convention: str = "gaussian",
+    reduce: str = "mean",
+    patch_size: int | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+    **params,
+) -> StepWithLogProb:
+    """One rollout step t -> s of sampler `kind` and its log-probability, in one pass over memory.
+
+    The same numbers as `stepfast.sde.step` then `stepfast.sde.log_prob(sample, mean, std, convention,
+    reduce, patch_size)`; t and s are floats or [B] tensors; inputs float32, bfloat16 or float16; math
+    and outputs float32. `noise` ~ N(0, I) of the shape of x_t (drawn with `generator` when None).
+
+    `ode` is deterministic: its sample is the Euler step and its log-prob is zeros (the convention of
+    `stepfast.rollout.Trajectory`: a deterministic step carries no log-probability). A `gaussian`
+    log-prob of another step with std = 0 is an error, as in `stepfast.sde.log_prob`.
+
+    This is the rollout op: it has no gradient. Call it under torch.no_grad(); the training side is
+    `sde_logprob`.
+    """
+    _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size)
+    if torch.is_grad_enabled() and (x_t.requires_grad or v.requires_grad):
+        raise RuntimeError(
+            "sde_step_with_logprob is the rollout op and has no gradient: call it under torch.no_grad() "
+            "(sde_logprob is the differentiable training-side op)"
+        )
+    name = select_backend(x_t.device, backend)
+    if name == "torch":
+        out = reference.sde_step_with_logprob(
+            kind, x_t, v, t, s, noise, convention, reduce, patch_size, generator=generator, **params
+        )
+        return StepWithLogProb(*out)
+    deterministic = kind == "ode"
+    coef = _coefficients(kind, x_t, t, s, convention, reduce, patch_size, not deterministic, params)
+    if deterministic:
+        noise = v  # multiplied by std = 0: any finite tensor of the right shape
+    elif noise is None:
+        noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float32)
+    x_t, v, noise = _kernel_input(x_t), _kernel_input(v), _kernel_input(noise)
+    patch = patch_size if reduce == "tokens" else None
+    if name == "cpp":
+        return StepWithLogProb(*cpp.sde_step(x_t, v, noise, coef, patch, not deterministic))
+    from .sde_step import sde_step_fwd
+
+    return StepWithLogProb(*sde_step_fwd(x_t, v, noise, coef, patch, not deterministic))
+
+
+def sde_logprob(
+    kind: str,
+    x_t: torch.Tensor,
+    v: torch.Tensor,
+    t,
+    s,
+    sample: torch.Tensor,
+    v_ref: torch.Tensor | None = None,
+    convention: str = "gaussian",
+    reduce: str = "mean",
+    patch_size: int | None = None,
+    *,
+    backend: str | None = None,
+    **params,
+) -> LogProbAndKL:
+    """Log-probability of the stored `sample` under the step t -> s from (x_t, v), and the KL to the
+    reference policy whose velocity is v_ref, differentiable w.r.t. v (and v_ref).
+
+        log_prob = stepfast.sde.log_prob(sample, mean(v), std, convention, reduce, patch_size)
+        kl       = stepfast.loss.kl_to_reference(mean(v), mean(v_ref), stepfast.sde.kl_sigma(kind, t, s))
+
+    with mean(v) the mean of `stepfast.sde.step`. kl is per sample [B], None when v_ref is None. x_t and
+    sample are stored rollout tensors: gradients flow to v and v_ref only (a gradient asked for x_t or
+    sample is an error). An `ode` step has no log-probability: an error.
+    """
+    _check(kind, x_t, {"v": v, "sample": sample, "v_ref": v_ref}, convention, reduce, patch_size)
+    if kind == "ode":
+        raise ValueError("an 'ode' step is deterministic: it has no log-probability and no KL (see sde.degenerate_steps)")
+    grad = torch.is_grad_enabled()
+    if grad and (x_t.requires_grad or sample.requires_grad):
+        raise RuntimeError(
+            "sde_logprob is differentiable w.r.t. v and v_ref only; x_t and sample are stored rollout "
+            "tensors: detach them"
+        )
+    name = select_backend(x_t.device, backend)
+    if name == "torch":
+        return LogProbAndKL(
+            *reference.sde_logprob(kind, x_t, v, t, s, sample, v_ref, convention, reduce, patch_size, **params)
+        )
+    coef = _coefficients(kind, x_t, t, s, convention, reduce, patch_size, True, params)
+    x_t, v, sample, v_ref = (_kernel_input(x) for x in (x_t, v, sample, v_ref))
+    patch = patch_size if reduce == "tokens" else None
+    needs_grad = grad and (v.requires_grad or (v_ref is not None and v_ref.requires_grad))
+    if name == "cpp":
+        return LogProbAndKL(*cpp.sde_logprob(x_t, v, sample, v_ref, coef, patch, needs_grad))
+    from .sde_logprob import SdeLogprobFunction, sde_logprob_fwd
+
+    if not needs_grad:
+        return LogProbAndKL(*sde_logprob_fwd(x_t, v, sample, v_ref, coef, patch))
+    log_prob, kl = SdeLogprobFunction.apply(x_t, v, sample, v_ref, coef, patch)
+    return LogProbAndKL(log_prob, kl if v_ref is not None else None)

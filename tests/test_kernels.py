@@ -1,0 +1,579 @@
+"""The fused SDE ops against a float64 reference, for every sampler, backend and reduction.
+
+The reference (`Torch64`) is stepfast.sde's and stepfast.loss's formulas written out line by line in
+float64 (sde.py itself computes in float32), differentiated by autograd. Acceptance:
+    float32 inputs: outputs and gradients within 1e-5 relative (atol 1e-5 x the reference's largest entry);
+    bfloat16 / float16 inputs: no worse than the eager torch code (the torch backend, stepfast.sde) on the
+    same inputs, both measured against float64; "no worse" allows 1e-6 (relative to the largest entry)
+    for the float32 rounding that precedes the final rounding of both.
+Shapes are odd on purpose (prime sizes, batch 1, patch 3, non-contiguous views, several blocks per sample).
+The triton backend runs in the Triton interpreter on CPU tensors (kernels/sde_step.py `launcher`), so
+these tests need no TRITON_INTERPRET setting and no particular import order. Tests whose id contains
+"cuda" run the compiled kernels when a GPU is present (benchmarks/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from stepfast import sde
+from stepfast.kernels import dispatch, sde_logprob, sde_step_with_logprob, select_backend
+from stepfast.kernels import cpp as cpp_backend
+
+KINDS = ["flow_sde", "cps", "ddim"]
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def backends_for(device: str) -> list[str]:
+    return ["torch", "cpp", "triton"] if device == "cpu" else ["torch", "triton"]
+
+
+DEVICE_BACKENDS = [(d, b) for d in DEVICES for b in backends_for(d)]
+DEVICE_BACKEND_IDS = [f"{d}-{b}" for d, b in DEVICE_BACKENDS]
+
+
+# ----------------------------------------------------------------------------------------------------
+# float64 reference
+
+
+class Torch64:
+    """stepfast.sde.step / log_prob and stepfast.loss.kl_to_reference in float64 (times rounded to
+    float32 first, as stepfast.sde does)."""
+
+    @staticmethod
+    def time(t, x):
+        t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+        if t.dim() == 0:
+            t = t.expand(x.shape[0])
+        return t.double().reshape(-1, *([1] * (x.dim() - 1)))
+
+    @staticmethod
+    def std(kind, t, s, noise_level=None, eta=1.0):
+        a = sde.DEFAULT_NOISE_LEVEL.get(kind, 0.0) if noise_level is None else noise_level
+        if kind == "ode":
+            return torch.zeros_like(t)
+        if kind == "flow_sde":
+            return Torch64.sigma(t, s, a) * torch.sqrt(t - s)
+        if kind == "cps":
+            return s * math.sin(a * math.pi / 2)
+        return eta * s * torch.sqrt(1 - t)
+
+    @staticmethod
+    def sigma(t, s, a):
+        return a * torch.sqrt(t / (1 - torch.where(t >= 1, s, t)))
+
+    @staticmethod
+    def mean(kind, x, v, t, s, **params):
+        x, v = x.double(), v.double()
+        t, s = Torch64.time(t, x), Torch64.time(s, x)
+        std = Torch64.std(kind, t, s, **params)
+        if kind == "ode":
+            return x + (s - t) * v, std
+        if kind == "flow_sde":
+            sig = Torch64.sigma(t, s, params.get("noise_level", sde.DEFAULT_NOISE_LEVEL[kind]))
+            return x + (s - t) * (v + sig**2 / (2 * t) * (x + (1 - t) * v)), std
+        x0_hat = x - t * v
+        x1_hat = x + (1 - t) * v
+        return (1 - s) * x0_hat + torch.sqrt(torch.clamp(s**2 - std**2, min=0.0)) * x1_hat, std
+
+    @staticmethod
+    def log_prob(sample, mean, std, convention, reduce, patch_size):
+        sq = (sample.double() - mean) ** 2
+        if convention == "gaussian":
+            elem = -sq / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+        else:
+            elem = -sq
+        if reduce == "mean":
+            return elem.mean(dim=tuple(range(1, elem.dim())))
+        if reduce == "sum":
+            return elem.sum(dim=tuple(range(1, elem.dim())))
+        return sde.patch_mean(elem, patch_size)
+
+    @staticmethod
+    def kl(kind, mean, mean_ref, t, s, **params):
+        t, s = Torch64.time(t, mean).reshape(-1), Torch64.time(s, mean).reshape(-1)
+        if kind == "flow_sde":
+            sig = Torch64.sigma(t, s, params.get("noise_level", sde.DEFAULT_NOISE_LEVEL[kind]))
+        else:
+            sig = Torch64.std(kind, t, s, **params).expand(t.shape)
+        sq = (mean - mean_ref) ** 2
+        return sq.mean(dim=tuple(range(1, sq.dim()))) / (2 * sig**2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# cases
+
+# name: (shape, reduce, patch_size, times given as floats, non-contiguous views)
+CASES = {
+    "mean_prime": ((3, 5, 7, 11), "mean", None, False, False),
+    "mean_batch1_float_times": ((1, 5, 7, 11), "mean", None, True, False),
+    "mean_transposed": ((3, 5, 7, 11), "mean", None, False, True),
+    "sum_multiblock": ((2, 3, 50, 50), "sum", None, False, False),
+    "mean_3d": ((2, 13, 17), "mean", None, False, False),
+    "tokens_p2": ((3, 5, 14, 10), "tokens", 2, False, False),
+    "tokens_batch1": ((1, 3, 6, 4), "tokens", 2, False, False),
+    "tokens_p3_transposed": ((2, 3, 9, 6), "tokens", 3, False, True),
+}
+
+
+def times_for(kind: str, batch: int, as_float: bool):
+    """Per-sample times, with flow_sde's special first step t = 1 in the batch."""
+    if as_float:
+        return 0.7, 0.55
+    t = [1.0 if kind == "flow_sde" else 0.96, 0.6, 0.35][:batch]
+    s = [0.91, 0.46, 0.28][:batch]
+    return torch.tensor(t), torch.tensor(s)
+
+
+def make_inputs(kind, case, device="cpu", dtype=torch.float32, seed=0):
+    shape, reduce, patch, as_float, transposed = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(scale=1.0):
+        if transposed:  # a [.., W, H] tensor viewed as [.., H, W]: not contiguous
+            x = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=g).transpose(-1, -2)
+        else:
+            x = torch.randn(*shape, generator=g)
+        return (scale * x).to(device=device, dtype=dtype)
+
+    t, s = times_for(kind, shape[0], as_float)
+    x_t, v = rand(), rand()
+    v_old = v.double() + 0.5 * torch.randn(shape, generator=g).to(device, torch.float64)
+    noise = rand()
+    mean_old, std = Torch64.mean(kind, x_t, v_old, t, s)
+    sample = (mean_old + std * noise.double()).to(dtype)  # off-policy: v differs from v_old
+    v_ref = (v.double() + 0.5 * torch.randn(shape, generator=g).to(device, torch.float64)).to(dtype)
+    assert x_t.is_contiguous() != transposed and v.is_contiguous() != transposed
+    return dict(x_t=x_t, v=v, t=t, s=s, noise=noise, sample=sample, v_ref=v_ref, reduce=reduce, patch_size=patch)
+
+
+def assert_matches64(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, what: str = ""):
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def assert_no_worse(kernel, eager, expected, what):
+    """Liger-style: the kernel's error against float64 is at most the eager code's (plus float32 rounding)."""
+    e_k, e_e = normwise_error(kernel, expected), normwise_error(eager, expected)
+    assert e_k <= e_e + 1e-6, f"{what}: kernel error {e_k:.3g} > eager error {e_e:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# sde_step_with_logprob
+
+
+def reference_step64(kind, inp, convention):
+    mean, std = Torch64.mean(kind, inp["x_t"], inp["v"], inp["t"], inp["s"])
+    sample = mean + std * inp["noise"].double()
+    if kind == "ode":
+        shape = sde_lp_shape(inp)
+        return sample, torch.zeros(shape, dtype=torch.float64)
+    return sample, Torch64.log_prob(sample, mean, std, convention, inp["reduce"], inp["patch_size"])
+
+
+def sde_lp_shape(inp):
+    x = inp["x_t"]
+    if inp["reduce"] == "tokens":
+        p = inp["patch_size"]
+        return (x.shape[0], (x.shape[2] // p) * (x.shape[3] // p))
+    return (x.shape[0],)
+
+
+def run_step(kind, inp, convention, backend):
+    with torch.no_grad():
+        return sde_step_with_logprob(
+            kind, inp["x_t"], inp["v"], inp["t"], inp["s"], inp["noise"], convention=convention,
+            reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("convention", ["gaussian", "cps"])
+@pytest.mark.parametrize("kind", KINDS + ["ode"])
+def test_step_matches_float64(kind, convention, case, device, backend):
+    inp = make_inputs(kind, case, device)
+    sample, log_prob = run_step(kind, inp, convention, backend)
+    ref_sample, ref_lp = reference_step64(kind, inp, convention)
+    assert sample.dtype == torch.float32 and log_prob.dtype == torch.float32
+    assert sample.shape == inp["x_t"].shape and log_prob.shape == ref_lp.shape
+    assert_matches64(sample.cpu(), ref_sample.cpu(), what="sample")
+    if kind == "ode":
+        assert torch.equal(log_prob, torch.zeros_like(log_prob))
+    else:
+        assert_matches64(log_prob.cpu(), ref_lp.cpu(), what="log_prob")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["mean_prime", "tokens_p2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_low_precision_no_worse_than_eager(kind, case, dtype, device, backend):
+    inp = make_inputs(kind, case, device, dtype)
+    sample, log_prob = run_step(kind, inp, "gaussian", backend)
+    eager_sample, eager_lp = run_step(kind, inp, "gaussian", "torch")
+    ref_sample, ref_lp = reference_step64(kind, inp, "gaussian")
+    assert sample.dtype == torch.float32 and log_prob.dtype == torch.float32
+    assert_no_worse(sample, eager_sample, ref_sample, "sample")
+    assert_no_worse(log_prob, eager_lp, ref_lp, "log_prob")
+
+
+# ----------------------------------------------------------------------------------------------------
+# sde_logprob (forward and gradients)
+
+
+def reference_logprob64(kind, inp, convention, with_kl):
+    v = inp["v"].double().requires_grad_()
+    v_ref = inp["v_ref"].double().requires_grad_() if with_kl else None
+    mean, std = Torch64.mean(kind, inp["x_t"], v, inp["t"], inp["s"])
+    lp = Torch64.log_prob(inp["sample"], mean, std, convention, inp["reduce"], inp["patch_size"])
+    kl = None
+    if with_kl:
+        mean_ref, _ = Torch64.mean(kind, inp["x_t"], v_ref, inp["t"], inp["s"])
+        kl = Torch64.kl(kind, mean, mean_ref, inp["t"], inp["s"])
+    return lp, kl, v, v_ref
+
+
+def upstream(lp, kl, seed=1):
+    """A loss whose gradient is different for every sample and token (so a broadcasting bug shows)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(lp.shape, generator=g).to(lp.device, lp.dtype)
+    loss = (w * lp).sum()
+    if kl is not None:
+        loss = loss + (torch.randn(kl.shape, generator=g).to(kl.device, kl.dtype) * kl).sum()
+    return loss
+
+
+def run_logprob(kind, inp, convention, backend, with_kl):
+    v = inp["v"].detach().clone().requires_grad_()  # clone() keeps a transposed view's strides
+    v_ref = inp["v_ref"].detach().clone().requires_grad_() if with_kl else None
+    lp, kl = sde_logprob(
+        kind, inp["x_t"], v, inp["t"], inp["s"], inp["sample"], v_ref, convention=convention,
+        reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend,
+    )  # fmt: skip
+    upstream(lp, kl).backward()
+    return lp.detach(), None if kl is None else kl.detach(), v.grad, None if v_ref is None else v_ref.grad
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("with_kl", [False, True], ids=["lp", "lp_kl"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("convention", ["gaussian", "cps"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprob_matches_float64(kind, convention, case, with_kl, device, backend):
+    inp = make_inputs(kind, case, device)
+    lp, kl, grad_v, grad_v_ref = run_logprob(kind, inp, convention, backend, with_kl)
+    ref_lp, ref_kl, v64, v_ref64 = reference_logprob64(kind, inp, convention, with_kl)
+    upstream(ref_lp, ref_kl).backward()
+    assert lp.dtype == torch.float32 and lp.shape == ref_lp.shape
+    assert_matches64(lp.cpu(), ref_lp.detach().cpu(), what="log_prob")
+    assert grad_v.shape == inp["v"].shape and grad_v.dtype == inp["v"].dtype
+    assert_matches64(grad_v.cpu(), v64.grad.cpu(), what="grad_v")
+    if with_kl:
+        assert kl.dtype == torch.float32 and kl.shape == (inp["x_t"].shape[0],)
+        assert_matches64(kl.cpu(), ref_kl.detach().cpu(), what="kl")
+        assert_matches64(grad_v_ref.cpu(), v_ref64.grad.cpu(), what="grad_v_ref")
+    else:
+        assert kl is None
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["mean_prime", "tokens_p2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprob_low_precision_no_worse_than_eager(kind, case, dtype, device, backend):
+    inp = make_inputs(kind, case, device, dtype)
+    lp, kl, grad_v, grad_v_ref = run_logprob(kind, inp, "gaussian", backend, True)
+    e_lp, e_kl, e_grad_v, e_grad_v_ref = run_logprob(kind, inp, "gaussian", "torch", True)
+    ref_lp, ref_kl, v64, v_ref64 = reference_logprob64(kind, inp, "gaussian", True)
+    upstream(ref_lp, ref_kl).backward()
+    assert grad_v.dtype == dtype and grad_v_ref.dtype == dtype
+    assert_no_worse(lp, e_lp, ref_lp.detach(), "log_prob")
+    assert_no_worse(kl, e_kl, ref_kl.detach(), "kl")
+    assert_no_worse(grad_v, e_grad_v, v64.grad, "grad_v")
+    assert_no_worse(grad_v_ref, e_grad_v_ref, v_ref64.grad, "grad_v_ref")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+def test_logprob_mixed_dtypes(device, backend):
+    """The trainer's case: stored x_t and sample in float32, v and v_ref from a bf16 model."""
+    inp = make_inputs("ddim", "tokens_p2", device)
+    inp["v"], inp["v_ref"] = inp["v"].bfloat16(), inp["v_ref"].bfloat16()
+    lp, kl, grad_v, grad_v_ref = run_logprob("ddim", inp, "gaussian", backend, True)
+    e_lp, e_kl, e_grad_v, e_grad_v_ref = run_logprob("ddim", inp, "gaussian", "torch", True)
+    ref_lp, ref_kl, v64, v_ref64 = reference_logprob64("ddim", inp, "gaussian", True)
+    upstream(ref_lp, ref_kl).backward()
+    assert grad_v.dtype == torch.bfloat16
+    assert_matches64(lp, ref_lp.detach(), what="log_prob")
+    assert_matches64(kl, ref_kl.detach(), what="kl")
+    assert_no_worse(grad_v, e_grad_v, v64.grad, "grad_v")
+    assert_no_worse(grad_v_ref, e_grad_v_ref, v_ref64.grad, "grad_v_ref")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+def test_gradient_of_kl_alone_and_of_log_prob_alone(device, backend):
+    """Only one output in the loss: the other's gradient is absent (None), not garbage."""
+    inp = make_inputs("flow_sde", "mean_prime", device)
+    for use in ("lp", "kl"):
+        v = inp["v"].clone().requires_grad_()
+        lp, kl = sde_logprob("flow_sde", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], inp["v_ref"],
+                             backend=backend)  # fmt: skip
+        (lp if use == "lp" else kl).sum().backward()
+        v64 = inp["v"].double().requires_grad_()
+        mean, std = Torch64.mean("flow_sde", inp["x_t"], v64, inp["t"], inp["s"])
+        mean_ref, _ = Torch64.mean("flow_sde", inp["x_t"], inp["v_ref"], inp["t"], inp["s"])
+        ref = Torch64.log_prob(inp["sample"], mean, std, "gaussian", "mean", None) if use == "lp" else Torch64.kl(
+            "flow_sde", mean, mean_ref, inp["t"], inp["s"]
+        )
+        ref.sum().backward()
+        assert_matches64(v.grad.cpu(), v64.grad.cpu(), what=f"grad_v ({use} only)")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("case", ["mean_prime", "sum_multiblock", "tokens_p2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_policy_log_prob_is_bitwise_the_rollouts(kind, case, device, backend):
+    """The training side recomputes the rollout's log-prob exactly: the PPO ratio starts at 1."""
+    inp = make_inputs(kind, case, device)
+    sample, lp_old = run_step(kind, inp, "gaussian", backend)
+    lp_new, _ = sde_logprob(kind, inp["x_t"], inp["v"], inp["t"], inp["s"], sample, reduce=inp["reduce"],
+                            patch_size=inp["patch_size"], backend=backend)  # fmt: skip
+    assert torch.equal(lp_new, lp_old)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+def test_deterministic(device, backend):
+    inp = make_inputs("ddim", "sum_multiblock", device)
+    first = run_logprob("ddim", inp, "gaussian", backend, True)
+    second = run_logprob("ddim", inp, "gaussian", backend, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_forward_equals_grad_forward():
+    """With or without autograd, the forward is the same numbers (cpp saves residuals only with grad)."""
+    inp = make_inputs("cps", "tokens_p2")
+    for backend in ("cpp", "triton"):
+        with torch.no_grad():
+            lp0, kl0 = sde_logprob("cps", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["sample"], inp["v_ref"],
+                                   reduce="tokens", patch_size=2, backend=backend)  # fmt: skip
+        lp1, kl1, _, _ = run_logprob("cps", inp, "gaussian", backend, True)
+        assert torch.equal(lp0, lp1) and torch.equal(kl0, kl1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors, dispatch, torch.compile
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_errors_name_the_problem(backend):
+    inp = make_inputs("ddim", "mean_prime")
+    x, v, smp = inp["x_t"], inp["v"], inp["sample"]
+    with pytest.raises(ValueError, match="deterministic step"):  # ddim at t = 1 has std 0
+        sde_logprob("ddim", x, v, 1.0, 0.9, smp, backend=backend)
+    with pytest.raises(ValueError, match="deterministic step"):
+        with torch.no_grad():
+            sde_step_with_logprob("ddim", x, v, 1.0, 0.9, inp["noise"], backend=backend)
+    with pytest.raises(ValueError, match="'ode' step is deterministic"):
+        sde_logprob("ode", x, v, 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(ValueError, match="same shape"):
+        sde_logprob("ddim", x, v[:, :2], 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(ValueError, match="patch_size"):
+        sde_logprob("ddim", x, v, 0.5, 0.4, smp, reduce="tokens", backend=backend)
+    with pytest.raises(ValueError, match="not divisible"):
+        sde_logprob("ddim", x, v, 0.5, 0.4, smp, reduce="tokens", patch_size=2, backend=backend)
+    with pytest.raises(ValueError, match="unknown sampler"):
+        sde_logprob("euler", x, v, 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(TypeError, match="takes parameters"):
+        sde_logprob("ddim", x, v, 0.5, 0.4, smp, noise_level=0.3, backend=backend)
+    with pytest.raises(ValueError, match=r"shape \[batch\]"):
+        sde_logprob("ddim", x, v, torch.tensor([0.5, 0.6]), 0.4, smp, backend=backend)
+    with pytest.raises(RuntimeError, match="w.r.t. v and v_ref only"):
+        sde_logprob("ddim", x.clone().requires_grad_(), v, 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        sde_step_with_logprob("ddim", x, v.clone().requires_grad_(), 0.5, 0.4, inp["noise"], backend=backend)
+
+
+def test_sampler_parameters_reach_the_kernels():
+    inp = make_inputs("ddim", "mean_prime")
+    for kind, params in (("ddim", {"eta": 0.5}), ("cps", {"noise_level": 0.4}), ("flow_sde", {"noise_level": 0.9})):
+        ref, _ = Torch64.mean(kind, inp["x_t"], inp["v"], inp["t"], inp["s"], **params)
+        for backend in ("torch", "cpp", "triton"):
+            with torch.no_grad():
+                out, _ = sde_step_with_logprob(kind, inp["x_t"], inp["v"], inp["t"], inp["s"],
+                                               torch.zeros_like(inp["x_t"]), backend=backend, **params)  # fmt: skip
+            assert_matches64(out, ref, what=f"{kind} {params} {backend}")
+
+
+def test_noise_drawn_from_generator_like_the_reference():
+    inp = make_inputs("cps", "mean_prime")
+    outs = []
+    for backend in ("torch", "cpp", "triton"):
+        with torch.no_grad():
+            outs.append(sde_step_with_logprob("cps", inp["x_t"], inp["v"], 0.6, 0.5, None,
+                                              generator=torch.Generator().manual_seed(3), backend=backend))  # fmt: skip
+    for sample, lp in outs[1:]:
+        assert_matches64(sample, outs[0].sample.double(), what="sample")
+        assert_matches64(lp, outs[0].log_prob.double(), what="log_prob")
+
+
+def test_select_backend(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert select_backend("cpu") == ("cpp" if cpp_backend.AVAILABLE else "torch")
+    assert select_backend("cpu", "triton") == "triton"
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    assert select_backend("cpu") == "torch"
+    assert select_backend("cpu", "cpp") in ("cpp", "torch")  # backend= wins over the environment
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda_magic")
+    with pytest.raises(ValueError, match="STEPFAST_KERNELS"):
+        select_backend("cpu")
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        select_backend("cpu", "numba")
+    with pytest.raises(ValueError, match="runs on CPU tensors"):
+        select_backend("cuda", "cpp")
+
+
+def test_env_var_forces_the_backend(monkeypatch):
+    inp = make_inputs("ddim", "mean_prime")
+    seen = []
+    monkeypatch.setattr(dispatch.reference, "sde_logprob", lambda *a, **k: seen.append("torch") or (None, None))
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    sde_logprob("ddim", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["sample"])
+    assert seen == ["torch"]
+
+
+def test_cpp_backend_falls_back_to_torch_once_when_not_built(monkeypatch):
+    monkeypatch.setattr(cpp_backend, "AVAILABLE", False)
+    monkeypatch.setattr(cpp_backend, "REASON", "ImportError: test")
+    dispatch._warn_once.cache_clear()
+    inp = make_inputs("ddim", "mean_prime")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            lp, _ = sde_logprob("ddim", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["sample"], backend="cpp")
+    assert sum("not available" in str(w.message) for w in caught) == 1
+    ref, _ = sde_logprob("ddim", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["sample"], backend="torch")
+    assert torch.equal(lp, ref)
+    dispatch._warn_once.cache_clear()
+
+
+def test_package_names_are_the_ops_after_every_backend_ran():
+    """kernels/sde_logprob.py is also the name of a function of the package: the function must win."""
+    import stepfast.kernels as kernels
+
+    inp = make_inputs("ddim", "mean_prime")
+    for backend in ("torch", "cpp", "triton"):
+        sde_logprob("ddim", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["sample"], backend=backend)
+    assert kernels.sde_logprob is sde_logprob and kernels.sde_step_with_logprob is sde_step_with_logprob
+
+
+def test_top_level_kernels_import_registers_nothing():
+    """From the repository root, `import kernels` finds this folder (transformers does it to probe for
+    the Hugging Face kernels package): that must not register the torch.library ops a second time, and
+    must not look like the Hugging Face package."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, warnings\n"
+        "warnings.simplefilter('error')\n"
+        "import stepfast.kernels\n"
+        "import kernels\n"
+        "assert kernels is not stepfast.kernels and not hasattr(kernels, 'sde_logprob')\n"
+        "import transformers.utils.import_utils as u\n"
+        "assert not u.is_kernels_available()\n"
+        "print('ok')"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_import_needs_no_gpu():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from stepfast.kernels import sde_step_with_logprob, sde_logprob\n"
+        "x = torch.randn(2, 3, 4, 4)\n"
+        "sde_logprob('ddim', x, x, 0.5, 0.4, x, backend='triton')\n"
+        "from stepfast.kernels import sde_logprob as again\n"
+        "assert again is sde_logprob and callable(again)\n"
+        "print('ok')"
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_backward_twice_with_retain_graph(backend):
+    """The cpp backward turns its saved residuals into the gradient in place; a second backward through
+    the same graph (retain_graph=True) must still be right."""
+    inp = make_inputs("ddim", "tokens_p2")
+    v, v_ref = inp["v"].clone().requires_grad_(), inp["v_ref"].clone().requires_grad_()
+    lp, kl = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], v_ref, reduce="tokens",
+                         patch_size=2, backend=backend)  # fmt: skip
+    loss = upstream(lp, kl)
+    loss.backward(retain_graph=True)
+    first = (v.grad.clone(), v_ref.grad.clone())
+    loss.backward()
+    torch.testing.assert_close((v.grad, v_ref.grad), (2 * first[0], 2 * first[1]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+def test_cpp_ops_pass_opcheck():
+    """Schema, fake (meta) kernels and the registered autograd formula, as torch.compile needs them."""
+    inp = make_inputs("flow_sde", "tokens_p2")
+    from stepfast.kernels.coefficients import step_coefficients
+
+    x, smp = inp["x_t"], inp["sample"]
+    coef = step_coefficients("flow_sde", inp["t"], inp["s"], 3, x[0].numel(), 5 * 4, "gaussian", "tokens", x.device)
+    # bf16 velocities: the backward is the functional op. With float32 velocities the eager backward
+    # turns the op's residual outputs into the gradients in place (they are the op's workspace, never
+    # returned by stepfast.kernels), which opcheck's eager-vs-AOT comparison of outputs sees as a
+    # difference; that case runs the other checks, and test_cpp_op_under_torch_compile compares it.
+    for dtype, utils in ((torch.bfloat16, None), (torch.float32, ("test_schema", "test_autograd_registration",
+                                                                  "test_faketensor"))):  # fmt: skip
+        v = inp["v"].to(dtype).requires_grad_()
+        vr = inp["v_ref"].to(dtype).requires_grad_()
+        kw = {} if utils is None else {"test_utils": utils}
+        for patch in (0, 2):
+            torch.library.opcheck(torch.ops.stepfast.sde_logprob.default, (x, v, smp, vr, coef, patch, True), **kw)
+            torch.library.opcheck(torch.ops.stepfast.sde_logprob.default, (x, v, smp, None, coef, patch, True), **kw)
+    for patch in (0, 2):
+        torch.library.opcheck(torch.ops.stepfast.sde_step.default, (x, inp["v"], inp["noise"], coef, patch, True))
+        _, _, res, dv = torch.ops.stepfast.sde_logprob(x, inp["v"], smp, inp["v_ref"], coef, patch, True)
+        g_lp = torch.randn(3, 35) if patch else torch.randn(3)
+        args = (res, dv, coef, g_lp, torch.randn(3), patch, True)
+        torch.library.opcheck(torch.ops.stepfast.sde_logprob_backward_.default, args)
+
+
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+def test_cpp_op_under_torch_compile():
+    inp = make_inputs("ddim", "tokens_p2")
+    w_lp, w_kl = torch.randn(3, 35), torch.randn(3)
+
+    def loss(v, v_ref):
+        lp, kl = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], v_ref, reduce="tokens",
+                             patch_size=2, backend="cpp")  # fmt: skip
+        return (w_lp * lp).sum() + (w_kl * kl).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        v, v_ref = inp["v"].clone().requires_grad_(), inp["v_ref"].clone().requires_grad_()
+        fn(v, v_ref).backward()
+        grads.append((v.grad, v_ref.grad))
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
