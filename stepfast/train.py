@@ -200,13 +200,13 @@ class Trainer:
         try:
             for it in bar:
                 metrics = self.iteration(it)
-                self.logger.log(it, metrics)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", s_it=f"{metrics['time/iteration']:.1f}")
                 if cfg.eval.every and it % cfg.eval.every == 0 and it != cfg.iterations:
                     result = self.evaluate(f"iter{it:06d}")
                     if result is not None:
-                        self.logger.log(it, {"eval/strict": result["overall"]["strict"],
-                                             "eval/score": result["overall"]["score"]})  # fmt: skip
+                        metrics["eval/strict"] = result["overall"]["strict"]
+                        metrics["eval/score"] = result["overall"]["score"]
+                self.logger.log(it, metrics)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", s_it=f"{metrics['time/iteration']:.1f}")
                 if (cfg.checkpoint_every and it % cfg.checkpoint_every == 0) or it == cfg.iterations:
                     last = self.save(it)
         except BaseException as exc:
