@@ -1,0 +1,191 @@
+"""The shipped tiny SD3 pipeline, the tiny-pipeline builder, and pipeline loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stepfast.data.shapeeval import load_metadata
+from stepfast.models import EMBEDDED_MODEL, check_pipeline_dir, load_pipeline, text_length
+from stepfast.models.tiny import PROMPT_WORDS, build_tiny_pipeline, save_pipeline, tiny_pipeline_dir
+
+MODULES = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(EMBEDDED_MODEL)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def state(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The embedded model
+
+
+def test_embedded_model_is_shipped_within_budget():
+    root = Path(EMBEDDED_MODEL)
+    assert root.parent == Path(__file__).resolve().parents[1] / "stepfast" / "models"
+    check_pipeline_dir(root)
+    files = [f for f in root.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 20 * 2**20
+    assert any(f.name == "diffusion_pytorch_model.safetensors" for f in files)
+    assert not any(f.suffix in (".bin", ".pt", ".ckpt") for f in files)
+
+
+def test_embedded_model_loads_in_fp32_with_the_sd3_architecture(embedded):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    assert isinstance(embedded.transformer, SD3Transformer2DModel)
+    assert isinstance(embedded.vae, AutoencoderKL)
+    assert isinstance(embedded.text_encoder, CLIPTextModelWithProjection)
+    assert isinstance(embedded.text_encoder_2, CLIPTextModelWithProjection)
+    assert isinstance(embedded.text_encoder_3, T5EncoderModel)
+    assert isinstance(embedded.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert embedded.scheduler.config.shift == 3.0
+    assert embedded.vae.config.latent_channels == 16
+    for name in MODULES:
+        assert all(p.dtype == torch.float32 for p in getattr(embedded, name).parameters()), name
+    # RL puts LoRA on the attention projections under their diffusers names.
+    names = {n for n, _ in embedded.transformer.named_modules()}
+    for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+        assert f"transformer_blocks.0.attn.{proj}" in names
+    # The VAE was fitted: latents are standardised with data statistics, not left at 1 / 0.
+    assert embedded.vae.config.scaling_factor != 1.0 and embedded.vae.config.shift_factor != 0.0
+
+
+def test_every_shapeeval_word_is_one_token(embedded):
+    for meta in load_metadata("train") + load_metadata("test"):
+        words = meta["prompt"].split()
+        assert len(embedded.tokenizer(meta["prompt"]).input_ids) == len(words) + 2
+        assert len(embedded.tokenizer_2(meta["prompt"]).input_ids) == len(words) + 2
+        assert len(embedded.tokenizer_3(meta["prompt"]).input_ids) == len(words) + 1
+        assert len(words) + 2 <= text_length(embedded)
+
+
+@pytest.mark.xfail(strict=True, reason="known defect of the shipped model: it draws a blank image for "
+                   "'a photo of a green triangle' (both seeds); see the open ShapeEval issue")
+def test_embedded_model_samples_images_that_follow_the_prompt(embedded):
+    from stepfast.rewards import load
+
+    prompts = ["a photo of a red circle", "a photo of a blue square", "a photo of two triangles",
+               "a photo of a green triangle"] * 2  # fmt: skip
+    generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    out = embedded(
+        prompt=prompts, num_inference_steps=20, guidance_scale=4.5, generator=generators,
+        max_sequence_length=text_length(embedded), output_type="np",
+    )  # fmt: skip
+    images = out.images
+    assert images.shape == (8, 64, 64, 3) and np.isfinite(images).all()
+    assert images.std(axis=(1, 2, 3)).min() > 0.05  # not blank
+    scores = load("shapes").score((images * 255).round().astype(np.uint8), prompts)
+    # A random or untrained pipeline scores 0 here; the shipped one gets most of these right.
+    assert scores["score"].mean() >= 0.5, scores
+
+
+def test_load_pipeline_gives_eval_mode_fp32_without_grads():
+    pipe = load_pipeline(EMBEDDED_MODEL)
+    assert not pipe.transformer.training
+    assert not any(p.requires_grad for p in pipe.transformer.parameters())
+    assert text_length(pipe) == 12
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny pipelines
+
+
+def test_tiny_pipeline_round_trip(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    path = tiny_pipeline_dir(tmp_path, seed=3)
+    assert json.loads((path / "model_index.json").read_text())["text_encoder_3"][1] == "T5EncoderModel"
+    loaded = StableDiffusion3Pipeline.from_pretrained(path)
+    rebuilt = build_tiny_pipeline(3, vae_channels=(8, 16, 16, 16), num_layers=2, num_heads=2, head_dim=16)
+    for name in MODULES:
+        a, b = state(getattr(loaded, name)), state(getattr(rebuilt, name))
+        assert a.keys() == b.keys(), name
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{name}.{key}")
+    prompt = "a photo of an orange triangle and a white square"
+    for tok in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        assert getattr(loaded, tok)(prompt).input_ids == getattr(rebuilt, tok)(prompt).input_ids
+    loaded.set_progress_bar_config(disable=True)
+    images = loaded(prompt, num_inference_steps=2, max_sequence_length=text_length(loaded), output_type="pt").images
+    assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()
+
+
+def test_tiny_pipelines_differ_by_seed():
+    a = build_tiny_pipeline(0, num_layers=1).transformer.state_dict()
+    b = build_tiny_pipeline(0, num_layers=1).transformer.state_dict()
+    c = build_tiny_pipeline(1, num_layers=1).transformer.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_half_precision_storage_loads_in_fp32(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = build_tiny_pipeline(0, num_layers=1, vae_channels=(8, 8, 8, 8))
+    before = state(pipe.transformer)
+    save_pipeline(pipe, tmp_path / "half", dtype=torch.float16)
+    assert all(torch.equal(before[k], v) for k, v in state(pipe.transformer).items())  # pipe untouched
+    half = StableDiffusion3Pipeline.from_pretrained(tmp_path / "half")
+    save_pipeline(pipe, tmp_path / "full")
+    size = lambda d: sum(f.stat().st_size for f in (tmp_path / d).rglob("*.safetensors"))  # noqa: E731
+    assert size("half") < 0.6 * size("full")
+    for name in MODULES:
+        module = getattr(half, name)
+        assert all(p.dtype == torch.float32 for p in module.parameters()), name
+    for key, value in state(half.transformer).items():
+        torch.testing.assert_close(value, before[key], rtol=1e-3, atol=1e-3)
+
+
+def test_clip_tokenizer_falls_back_to_bytes_for_unknown_words():
+    pipe = build_tiny_pipeline(0, num_layers=1)
+    ids = pipe.tokenizer("a zebra").input_ids
+    assert len(ids) > 4  # "zebra" is not in PROMPT_WORDS: several byte-level pieces
+    assert pipe.tokenizer.decode(ids, skip_special_tokens=True).strip() == "a zebra"
+    assert set(PROMPT_WORDS) >= {"circle", "square", "triangle", "magenta", "left", "below"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_load_pipeline_names_the_bad_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
+        load_pipeline(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model_index.json"):
+        load_pipeline(tmp_path / "empty")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusionPipeline"):
+        load_pipeline(other)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model_index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="malformed JSON"):
+        load_pipeline(broken)
+
+
+def test_text_length_defaults_to_diffusers_for_long_tokenizers():
+    class Tok:
+        model_max_length = 512
+
+    class Pipe:
+        tokenizer_3 = Tok()
+
+    assert text_length(Pipe()) == 256

@@ -1,0 +1,130 @@
+"""The evaluation command and its in-process entry point."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stepfast import evaluate as ev
+from stepfast.data.shapeeval import CATEGORIES, load_metadata
+from stepfast.models import EMBEDDED_MODEL, load_lora, load_pipeline
+from stepfast.models.tiny import tiny_pipeline_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tiny_pipeline_dir(tmp_path_factory.mktemp("tiny"), seed=0)
+    return path, load_pipeline(path)
+
+
+class CountingReward:
+    """Scores every image by its mean brightness; records what it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, images, prompts, metadata=None):
+        self.calls.append((images, list(prompts), metadata))
+        bright = torch.as_tensor(np.asarray(images), dtype=torch.float32).mean(dim=(1, 2, 3)) / 255
+        return {"score": bright, "strict": (bright > 0).float(), "category": torch.zeros(len(prompts))}
+
+
+def test_overall_is_the_mean_over_categories_not_over_images():
+    tags = ["counting"] * 3 + ["position"]
+    table = ev.geneval_table(tags, np.array([1.0, 1.0, 1.0, 0.0]), np.array([1.0, 0.5, 0.0, 0.25]))
+    assert table["categories"]["counting"] == {"strict": 1.0, "score": 0.5, "n": 3}
+    assert table["categories"]["position"] == {"strict": 0.0, "score": 0.25, "n": 1}
+    assert table["overall"]["strict"] == pytest.approx(0.5)  # images would say 0.75
+    assert table["overall"]["score"] == pytest.approx(0.375)
+    assert list(table["categories"]) == ["counting", "position"]  # GenEval's order
+
+
+def test_limit_spreads_prompts_over_categories():
+    picked = ev.spread_over_categories(load_metadata("test"), 8)
+    assert len(picked) == 8
+    assert {m["tag"] for m in picked} == set(CATEGORIES)
+    assert len({m["prompt"] for m in picked}) == 8
+
+
+def test_prompt_text_file_is_parsed_and_bad_lines_are_named(tmp_path):
+    good = tmp_path / "p.txt"
+    good.write_text("a photo of two circles\n\na photo of a red square\n")
+    assert [m["tag"] for m in ev.read_prompts(str(good))] == ["counting", "colors"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a photo of a circle\na photo of a dog\n")
+    with pytest.raises(ValueError, match="bad.txt:2"):
+        ev.read_prompts(str(bad))
+
+
+def test_seeds_fix_the_images_whatever_the_batch_size(tiny):
+    _, pipe = tiny
+    metadata = load_metadata("test")[:3]
+    reward = CountingReward()
+    a = ev.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=6, reward=reward, progress=False, keep_images=True)
+    b = ev.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=4, reward=reward, progress=False, keep_images=True)
+    # Same noise per (prompt, seed); only float rounding of batched matmuls may move a level.
+    diff = np.abs(a["images"].astype(int) - b["images"].astype(int))
+    assert diff.max() <= 2 and (diff > 0).mean() < 1e-3
+    assert [s["seed"] for s in a["samples"]] == [0, 1] * 3
+    assert [s["prompt"] for s in a["samples"]] == [m["prompt"] for m in metadata for _ in range(2)]
+    # Different seeds give different images; the reward saw the metadata of each image.
+    assert not np.array_equal(a["images"][0], a["images"][1])
+    assert reward.calls[0][2][0] is metadata[0] and len(reward.calls[0][1]) == 6
+    assert a["overall"]["score"] == pytest.approx(np.mean([s["score"] for s in a["samples"]]))
+
+
+def test_lora_changes_the_samples(tiny, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    path, _ = tiny
+    pipe = load_pipeline(path)
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights="gaussian"))
+    for name, param in pipe.transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # peft starts B at zero: make the LoRA act
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer))
+
+    metadata = load_metadata("test")[:2]
+    base = ev.evaluate(load_pipeline(path), metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
+    tuned_pipe = load_lora(load_pipeline(path), tmp_path / "lora")
+    tuned = ev.evaluate(tuned_pipe, metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
+    assert not np.array_equal(base["images"], tuned["images"])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_lora(load_pipeline(path), tmp_path / "nowhere")
+
+
+def test_evaluation_command_end_to_end(tmp_path, capsys):
+    out = tmp_path / "eval"
+    result = ev.main(
+        ["--model", EMBEDDED_MODEL, "--limit", "8", "--seeds", "2", "--steps", "6", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert "| **overall** |" in printed and "| counting |" in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved["categories"]) == set(CATEGORIES)
+    assert saved["settings"]["steps"] == 6 and saved["settings"]["seeds"] == [0, 1]
+    assert len(saved["samples"]) == 16
+    means = [saved["categories"][c]["strict"] for c in CATEGORIES]
+    assert saved["overall"]["strict"] == pytest.approx(np.mean(means))
+    for sample in saved["samples"]:
+        assert sample["strict"] in (0.0, 1.0) and 0.0 <= sample["score"] <= 1.0
+        assert sample["strict"] <= sample["score"] + 1e-6  # a strict pass is a full score
+    assert (out / "results.md").read_text().count("\n") == 2 + len(CATEGORIES) + 1
+    from PIL import Image
+
+    grid = Image.open(out / "samples.png")
+    assert grid.size[1] >= 8 * 64  # one row per prompt
+    assert result["overall"]["strict"] == saved["overall"]["strict"]
+
+
+def test_evaluate_rejects_empty_input(tiny):
+    _, pipe = tiny
+    with pytest.raises(ValueError, match="at least one prompt"):
+        ev.evaluate(pipe, [], reward=CountingReward())
+    with pytest.raises(ValueError, match="at least one seed"):
+        ev.evaluate(pipe, load_metadata("test")[:1], seeds=[], reward=CountingReward())
