@@ -85,17 +85,6 @@ def test_weighted_reward_names_a_nan_part(images):
         reward.score(images, PROMPTS)
 
 
-def test_imagereward_without_its_package_says_what_to_install():
-    try:
-        from ImageReward.ImageReward import ImageReward  # noqa: F401
-    except Exception:
-        pass
-    else:
-        pytest.skip("the ImageReward package imports here")
-    with pytest.raises(ImportError, match="pip install image-reward"):
-        rewards.load("imagereward", path="ImageReward.pt", med_config="med_config.json")
-
-
 def test_async_scorer_overlaps_and_keeps_order(images):
     started, release = threading.Event(), threading.Event()
 
