@@ -8,7 +8,6 @@ figure is what one core delivers even when other processes share the machine. Pr
 and 20/80 percentiles with the hardware; the target is >= 1,000 images/s.
 """
 
-import platform
 import time
 
 import numpy as np
@@ -17,22 +16,12 @@ import torch
 
 from stepfast.data.shapeeval import load_metadata, render_batch
 from stepfast.rewards.shapes import ShapesReward
+from machine import cpu_name
 
 BATCH = 256
 SIZE = 64
 REPEATS = 20
 TARGET_IMAGES_PER_SECOND = 1000
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +45,9 @@ def test_shapes_reward_images_per_second(benchmark, batch):
     p20, median, p80 = np.percentile(rates, [20, 50, 80])
     print(
         f"\nShapesReward.score, {BATCH} images {SIZE}x{SIZE}, 1 thread: median {median:,.0f} images/s "
-        f"(p20 {p20:,.0f}, p80 {p80:,.0f}) per CPU-second on {_cpu_name()}"
+        f"(p20 {p20:,.0f}, p80 {p80:,.0f}) per CPU-second on {cpu_name()}"
     )
-    benchmark.extra_info.update(images_per_second_median=median, p20=p20, p80=p80, cpu=_cpu_name())
+    benchmark.extra_info.update(images_per_second_median=median, p20=p20, p80=p80, cpu=cpu_name())
     benchmark(reward.score, images, prompts)
     assert out["strict"].mean() == 1.0, "the benchmark batch must be scored correctly"
     assert median >= TARGET_IMAGES_PER_SECOND

@@ -45,7 +45,7 @@ from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
 @dataclass
 class PretrainConfig:
-    steps: int = 4000  # transformer steps
+    steps: int = 3000  # transformer steps
     batch_size: int = 64
     lr: float = 1e-3
     warmup: int = 200
