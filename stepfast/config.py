@@ -57,6 +57,7 @@ class SdeConfig:
 @dataclass
 class RolloutConfig:
     prompts: str = "shapeeval:train"  # .txt, GenEval *_metadata.jsonl, or shapeeval:train|test
+    balance_categories: bool = False  # equal share of groups per metadata `tag` (GenEval category)
     groups: int = 8  # G: prompts per iteration (over all ranks)
     group_size: int = 4  # N: samples per prompt
     same_latent: bool = True  # share the initial noise inside a group (stepwise needs it)

@@ -52,7 +52,7 @@ class Trainer:
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
-                                      world, rank, cfg.seed)  # fmt: skip
+                                      world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else grpo.InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
@@ -77,6 +77,18 @@ class Trainer:
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1)  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------
+    def _strata(self) -> list[str] | None:
+        """The category of each prompt when rollout.balance_categories is on."""
+        if not self.cfg.rollout.balance_categories:
+            return None
+        for line, record in enumerate(self.prompts, 1):
+            if not (record.metadata or {}).get("tag"):
+                raise ConfigError(
+                    f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
+                    f"*_metadata.jsonl); prompt {line} of {self.cfg.rollout.prompts} ({record.prompt!r}) has none"
+                )
+        return [record.metadata["tag"] for record in self.prompts]
+
     def resume(self) -> None:
         cfg = self.cfg
         if cfg.resume == "none":

@@ -211,6 +211,15 @@ def test_bad_prompt_file(model_dir, tmp_path, content, message):
     assert str(prompts) in proc.stderr and message in proc.stderr
 
 
+def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
+    prompts = tmp_path / "prompts_metadata.jsonl"
+    prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n{"prompt": "a photo of a square"}\n')
+    cfg = base_config(model_dir, tmp_path / "run", rollout={"prompts": str(prompts), "balance_categories": True})
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2
+    assert f"prompt 2 of {prompts} ('a photo of a square') has none" in proc.stderr
+
+
 def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp_path):
     config, base_out = baseline
     out = tmp_path / "run"

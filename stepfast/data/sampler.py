@@ -5,6 +5,13 @@ permutations of the prompt list (one permutation per epoch), so each prompt come
 the batch of any iteration is a pure function of (seed, i): the sampler's position is the iteration.
 The G x N samples of an iteration are numbered group-major (sample k = group k // N, member k % N)
 and rank r of W takes the contiguous slice [r B / W, (r + 1) B / W): a group may span ranks.
+
+With `strata` (one label per prompt, e.g. GenEval's category `tag`), the stream is balanced over the
+labels instead: position p draws from label p mod S (the S labels in sorted order), and each label
+has its own endless stream of seeded permutations of its prompts. Every category then gets an equal
+share of the groups however many prompts it holds (ShapeEval's train split has 227 colour-attribute
+prompts and 2 single-object ones), as in GenEval-style training sets. The batch is still a pure
+function of (seed, i).
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ class LocalBatch:
 
 
 class KRepeatSampler:
-    def __init__(self, num_prompts: int, groups: int, group_size: int, world: int, rank: int, seed: int):
+    def __init__(self, num_prompts: int, groups: int, group_size: int, world: int, rank: int, seed: int,
+                 strata: list[str] | None = None):  # fmt: skip
         if num_prompts < 1:
             raise ValueError("the prompt list is empty")
+        if strata is not None and len(strata) != num_prompts:
+            raise ValueError(f"got {len(strata)} strata labels for {num_prompts} prompts")
         total = groups * group_size
         if total % world:
             raise ValueError(
@@ -37,11 +47,21 @@ class KRepeatSampler:
         self.num_prompts, self.groups, self.group_size = num_prompts, groups, group_size
         self.world, self.rank, self.seed = world, rank, seed
         self.per_rank = total // world
+        self.strata = None
+        if strata is not None:
+            labels = sorted(set(strata))
+            self.strata = [[i for i, s in enumerate(strata) if s == label] for label in labels]
 
     def _prompt_at(self, position: int) -> int:
-        epoch, offset = divmod(position, self.num_prompts)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
-        return int(perm[offset])
+        if self.strata is None:
+            epoch, offset = divmod(position, self.num_prompts)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+            return int(perm[offset])
+        stratum, draw = position % len(self.strata), position // len(self.strata)
+        members = self.strata[stratum]
+        epoch, offset = divmod(draw, len(members))
+        perm = np.random.default_rng([self.seed, stratum, epoch]).permutation(len(members))
+        return members[int(perm[offset])]
 
     def group_prompts(self, iteration: int) -> list[int]:
         """The G prompt indices of `iteration`."""
