@@ -74,8 +74,8 @@ def test_every_shapeeval_word_is_one_token(embedded):
         assert len(words) + 2 <= text_length(embedded)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect of the shipped model: it draws a blank image for "
-                   "'a photo of a green triangle' (both seeds); see the open ShapeEval issue")
+@pytest.mark.xfail(strict=True, reason="known defect of the shipped model: with guidance it draws a blank "
+                   "image for 'a photo of a green triangle' (both seeds); the README's ShapeEval section")
 def test_embedded_model_samples_images_that_follow_the_prompt(embedded):
     from stepfast.rewards import load
 
