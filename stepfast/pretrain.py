@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
 from stepfast.models import EMBEDDED_MODEL, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
@@ -147,16 +148,9 @@ def encode_scenes(vae, images: np.ndarray, device, batch: int = 256) -> tuple[to
 
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt embeddings [N, L, D] and pooled embeddings [N, P], as the pipeline computes them."""
-    embeds, _, pooled, _ = pipe.encode_prompt(
-        prompt=prompts,
-        prompt_2=None,
-        prompt_3=None,
-        device=device,
-        do_classifier_free_guidance=False,
-        max_sequence_length=text_length(pipe),
-    )
-    return embeds.float(), pooled.float()
+    """Prompt embeddings [N, L, D] and pooled embeddings [N, P], as the trainer computes them."""
+    cond = policy.encode_prompts(pipe, prompts, cfg_scale=1.0, device=device)
+    return cond.embeds.float(), cond.pooled.float()
 
 
 def zero_init_modulation(transformer) -> None:
