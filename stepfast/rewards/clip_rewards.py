@@ -20,18 +20,13 @@ import torch
 from torch import nn
 
 from stepfast.rewards.images import to_pil
+from stepfast.rewards.paths import require_local
 
 
 def _require_path(reward: str, option: str, path, source: str) -> str:
-    if path is None:
-        raise TypeError(f"reward {reward!r} needs {option}=<local copy of {source}>")
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"reward {reward!r}: {option}={path!r} does not exist; download {source} there first "
-            f"(huggingface-cli download {source.split()[0]} --local-dir {path})"
-        )
-    return path
+    return require_local(reward, option, path, f"local copy of {source}",
+                         hint=f"download {source} there first (huggingface-cli download {source.split()[0]} "
+                              f"--local-dir {os.fspath(path) if path is not None else ''})")  # fmt: skip
 
 
 def _features(out) -> torch.Tensor:

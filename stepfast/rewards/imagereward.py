@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from stepfast.rewards.images import to_pil
+from stepfast.rewards.paths import require_local
 
 #: the package's normalisation of the MLP output (ImageReward.mean / ImageReward.std)
 MEAN = 0.16717362830052426
@@ -62,19 +63,6 @@ VISION_LAYER_NORM_EPS = 1e-6  # BLIP's ViT: partial(nn.LayerNorm, eps=1e-6)
 MLP_WIDTHS = (1024, 128, 64, 16, 1)
 IGNORED_PREFIXES = ("blip.vision_proj.", "blip.text_proj.")
 SOURCE = "THUDM/ImageReward"
-
-
-def _require(option: str, value, kind: str, what: str) -> str:
-    if value is None:
-        raise TypeError(f"reward 'imagereward' needs {option}=<{what}>")
-    value = os.fspath(value)
-    exists = os.path.isfile(value) if kind == "file" else os.path.isdir(value)
-    if not exists:
-        raise FileNotFoundError(
-            f"reward 'imagereward': {option}={value!r} is not a {'file' if kind == 'file' else 'directory'} "
-            f"(expected: {what})"
-        )
-    return value
 
 
 def _few(keys, n: int = 5) -> str:
@@ -273,9 +261,11 @@ class ImageRewardReward:
                  batch_size: int = 16):
         from transformers import BlipTextModel, BlipVisionConfig, BlipVisionModel
 
-        path = _require("path", path, "file", f"local copy of ImageReward.pt from {SOURCE}")
-        med_config = _require("med_config", med_config, "file", f"local copy of med_config.json from {SOURCE}")
-        tokenizer = _require("tokenizer", tokenizer, "dir", "local directory of the bert-base-uncased tokenizer files")
+        path = require_local("imagereward", "path", path, f"local copy of ImageReward.pt from {SOURCE}", "file")
+        med_config = require_local("imagereward", "med_config", med_config,
+                                   f"local copy of med_config.json from {SOURCE}", "file")  # fmt: skip
+        tokenizer = require_local("imagereward", "tokenizer", tokenizer,
+                                  "local directory of the bert-base-uncased tokenizer files", "dir")  # fmt: skip
         self.device = torch.device(device)
         self.batch_size = int(batch_size)
         if self.batch_size <= 0:
