@@ -1,6 +1,7 @@
 """Configuration: presets, dotted overrides, and errors that name the key."""
 
 import pytest
+import torch
 
 from stepfast import config as config_module
 from stepfast import credit, sde
@@ -78,3 +79,22 @@ def test_config_choices_match_the_math_modules():
     assert config_module.SAMPLERS == sde.SAMPLERS
     assert config_module.CREDIT_ESTIMATORS == tuple(credit.ESTIMATORS)
     assert config_module.LOGPROB_CONVENTIONS == sde.LOGPROB_CONVENTIONS
+
+
+def test_default_preset_does_not_train_the_near_deterministic_ddim_step():
+    """default.yaml's min_std: the .28 -> .01 ddim step is an ODE step, because its log-prob gradient
+    per unit of velocity (|d mean / d v| / std, from sde.step itself) dwarfs every other step's."""
+    from stepfast import grpo
+
+    cfg = load_config("default")
+    grid = sde.sd3_time_grid(cfg.sde.steps)
+    x, v = torch.zeros(1, 1), torch.zeros(1, 1)
+    scale = []
+    for j in range(cfg.sde.steps):
+        t, s = float(grid[j]), float(grid[j + 1])
+        out = sde.step("ddim", x, v, t, s, noise=torch.zeros(1, 1), eta=cfg.sde.eta)
+        d_mean = sde.step("ddim", x, v + 1.0, t, s, noise=torch.zeros(1, 1), eta=cfg.sde.eta).mean - out.mean
+        scale.append(float(d_mean.abs()) / float(out.std) if float(out.std) > 0 else 0.0)
+    excluded = [j for j in range(cfg.sde.steps) if 0 < scale[j] and j not in grpo.trained_steps(cfg)]
+    assert excluded == [8] and grpo.trained_steps(cfg) == list(range(1, 8))
+    assert scale[8] > 25 * max(scale[j] for j in range(1, 8))
