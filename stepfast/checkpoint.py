@@ -2,6 +2,7 @@
 
     output_dir/checkpoints/checkpoint-000010/
         lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (pipe.load_lora_weights)
+        lora_ema/pytorch_lora_weights.safetensors   with optim.ema > 0: the EMA weights, same format
         engine/                                 DeepSpeed state: weights, optimizer, LR scheduler
         rng/rank{r}.pt                          RNG states of every rank
         state.pt                                iteration, EMA, prompt-sampler position, metrics rows

@@ -136,11 +136,15 @@ def decode(pipe, latents: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
     return torch.cat(out)
 
 
-def save_lora(transformer, directory: str | Path) -> None:
-    """The adapter in diffusers' format (loadable with `pipe.load_lora_weights(directory)`)."""
+def save_lora(transformer, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter in diffusers' format (loadable with `pipe.load_lora_weights(directory)`).
+
+    weights: the adapter's parameters by `named_parameters` name (the EMA's shadow) to write in place
+    of the transformer's current ones.
+    """
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(transformer)
+    state = get_peft_model_state_dict(transformer, state_dict=weights)
     state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state)

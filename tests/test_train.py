@@ -166,6 +166,23 @@ def test_saved_lora_loads_and_changes_samples(baseline, model_dir):
     assert (after - before).abs().max() > 1e-3
 
 
+def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
+    """With EMA on, evaluation samples with the EMA weights; the checkpoint holds them as a LoRA too."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=2, optim={"lr": 3e-2, "clip_range": 0.2, "ema": 0.5}, log={"report": False})
+    train(write_config(tmp_path / "cfg.yaml", cfg))
+    ckpt = out / "checkpoints" / "checkpoint-000002"
+    trained = load_file(ckpt / "lora" / "pytorch_lora_weights.safetensors")
+    ema = load_file(ckpt / "lora_ema" / "pytorch_lora_weights.safetensors")
+    shadow = torch.load(ckpt / "state.pt", weights_only=False)["ema"]["shadow"]
+    assert trained.keys() == ema.keys() and len(shadow) == len(ema)
+    for name, weight in shadow.items():
+        assert torch.equal(ema["transformer." + name.replace(".default.", ".")], weight)
+    assert any(not torch.equal(trained[k], ema[k]) for k in ema)
+
+
 def test_two_ranks_equal_one_rank(baseline, tmp_path):
     config, base_out = baseline
     cfg = yaml.safe_load(config.read_text())
