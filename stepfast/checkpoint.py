@@ -61,7 +61,10 @@ def _barrier(world: int) -> None:
 
 
 def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int, lora_saver=None, keep: int = 2) -> Path:
-    """Write checkpoint `iteration` atomically (collective: every rank calls it)."""
+    """Write checkpoint `iteration` atomically (collective: every rank calls it).
+
+    lora_saver(folder), on rank 0: writes the adapter folders (`lora/`, `lora_ema/`) into the
+    checkpoint folder being written."""
     root = checkpoint_dir(output_dir)
     final = root / f"checkpoint-{iteration:06d}"
     tmp = root / f"checkpoint-{iteration:06d}.tmp"
@@ -75,7 +78,7 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
     if rank == 0:
         torch.save(state, tmp / "state.pt")
         if lora_saver is not None:
-            lora_saver(tmp / "lora")
+            lora_saver(tmp)
     _barrier(world)
     if rank == 0:
         (tmp / "COMPLETE").write_text(f"{iteration}\n")

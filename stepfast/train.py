@@ -109,16 +109,16 @@ class Trainer:
     def save(self, iteration: int) -> Path:
         state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals,
                  "ema": self.ema.state_dict() if self.ema is not None else None}  # fmt: skip
-        lora = (lambda d: self._save_lora(d)) if self.cfg.model.lora else None
+        lora = self._save_lora if self.cfg.model.lora else None
         return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world, lora,
                                keep=self.cfg.keep_checkpoints)  # fmt: skip
 
-    def _save_lora(self, directory: Path) -> None:
-        """The adapter as trained in `lora/`; with EMA on, also the EMA weights (what evaluation
-        samples with) in `lora_ema/` beside it."""
-        save_lora(self.engine.module, directory)
+    def _save_lora(self, folder: Path) -> None:
+        """Into a checkpoint folder: the adapter as trained in `lora/`; with EMA on, also the EMA
+        weights (what evaluation samples with) in `lora_ema/`."""
+        save_lora(self.engine.module, folder / "lora")
         if self.ema is not None:
-            save_lora(self.engine.module, Path(directory).with_name("lora_ema"), weights=self.ema.shadow)
+            save_lora(self.engine.module, folder / "lora_ema", weights=self.ema.shadow)
 
     # ---------------------------------------------------------------------------------------------
     def iteration(self, it: int) -> dict[str, float]:
