@@ -105,6 +105,7 @@ class EvalConfig:
     prompts: str = "shapeeval:test"
     reward: str = "shapes"  # scores held-out samples; must report "strict" and "score"
     seeds: int = 4
+    min_images: int = 32  # more seeds for the prompts of a category with fewer images (0 = off)
     steps: int = 40
     cfg: float = 4.5
     limit: int = 0  # prompts evaluated (0 = all)

@@ -1,10 +1,13 @@
 """Evaluate a pipeline on ShapeEval prompts and print a GenEval-style table.
 
-    python -m stepfast.evaluate --model DIR [--lora DIR] [--prompts test] [--seeds 4] [--steps 40]
-                                [--cfg 4.5] [--out DIR] [--limit N] [--batch-size 32]
+    python -m stepfast.evaluate --model DIR [--lora DIR] [--prompts test] [--seeds 4] [--min-images 32]
+                                [--steps 40] [--cfg 4.5] [--out DIR] [--limit N] [--batch-size 32]
 
 Every prompt is sampled once per seed (seed s draws the initial noise of every prompt's s-th
-image, as GenEval does, so results do not depend on the batch size) by the pipeline's own
+image, as GenEval does, so results do not depend on the batch size or on how many ranks share
+the work). A category with fewer than --min-images images gets more seeds for each of its prompts
+(ShapeEval's test split has one single_object and one two_object prompt: at 4 seeds, one image
+would move the overall by 0.04). Images are drawn by the pipeline's own
 `__call__`: Euler steps of the flow ODE with classifier-free guidance against the empty prompt.
 Each image is scored by the ShapeEval reward (`stepfast.rewards.shapes`). The table gives per
 category the strict accuracy (GenEval's number: every clause of the prompt holds) and the mean
@@ -119,6 +122,110 @@ def geneval_table(categories: list[str], strict: np.ndarray, score: np.ndarray) 
     return {"categories": table, "overall": overall}
 
 
+def seed_list(seeds: int | list[int]) -> list[int]:
+    return list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+
+
+def plan_samples(metadata: list[dict], seeds: int | list[int] = 4, min_images: int = 0) -> list[tuple[dict, int]]:
+    """(record, seed) of every image to draw, prompt-major: every prompt once per seed.
+
+    With min_images, the prompts of a category with few of them get more seeds (numbered on from
+    the given ones), so that the category's accuracy rests on at least min_images images: the
+    overall is the unweighted mean over categories, and a category of one prompt x 4 seeds moves
+    it by 1/24 per image.
+    """
+    if not metadata:
+        raise ValueError("evaluate() needs at least one prompt")
+    base = seed_list(seeds)
+    if not base:
+        raise ValueError("evaluate() needs at least one seed")
+    if min_images < 0:
+        raise ValueError(f"min_images must be >= 0, got {min_images}")
+    per_tag: dict[str, int] = {}
+    for meta in metadata:
+        per_tag[meta.get("tag", "")] = per_tag.get(meta.get("tag", ""), 0) + 1
+    plan = []
+    for meta in metadata:
+        wanted = max(len(base), -(-min_images // per_tag[meta.get("tag", "")]))
+        extra = list(range(max(base) + 1, max(base) + 1 + wanted - len(base)))
+        plan += [(meta, s) for s in base + extra]
+    return plan
+
+
+def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *, batch_size: int = 32,
+                   reward=None, size: int | None = None, progress: bool = True) -> dict:  # fmt: skip
+    """Sample and score the images of `plan` (or of one rank's share of it). Returns, in plan
+    order, numpy arrays "strict", "score", "category" (the reward's; -1 where it gives none) and
+    "pixels" (uint8 [N, H, W, 3]), and "seconds"."""
+    if reward is None:
+        from stepfast.rewards import load
+
+        reward = load("shapes")
+    metas = [m for m, _ in plan]
+    prompts = [m["prompt"] for m in metas]
+    start = time.perf_counter()
+    images = sample_images(pipe, prompts, [s for _, s in plan], steps, cfg, batch_size, size, progress)
+    sampled = time.perf_counter()
+    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    out = reward.score(pixels, prompts, metas)
+    scored = time.perf_counter()
+    return {
+        "strict": out["strict"].float().numpy(),
+        "score": out["score"].float().numpy(),
+        "category": out.get("category", torch.full((len(metas),), -1.0)).float().numpy(),
+        "pixels": pixels,
+        "seconds": {"sampling": sampled - start, "scoring": scored - sampled},
+    }
+
+
+def shard(plan: list, rank: int, world: int) -> tuple[list, int]:
+    """Rank `rank`'s share of `plan` (every world-th image), padded with repeats to the length every
+    rank gets so that all ranks make the same pipeline calls (ZeRO-3 gathers weights collectively).
+    Returns (share, number of real entries: the padding follows them)."""
+    mine = plan[rank::world]
+    length = -(-len(plan) // world)
+    filler = mine[-1:] or plan[:1]
+    return mine + filler * (length - len(mine)), len(mine)
+
+
+def unshard(parts: list[dict], world: int) -> dict:
+    """The `draw_and_score` outputs of every rank's share (rank order, padding cut) back in plan
+    order; "seconds" are the slowest rank's."""
+    out = {}
+    for key in ("strict", "score", "category", "pixels"):
+        pieces = [p[key] for p in parts]
+        merged = np.empty((sum(len(x) for x in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype)
+        for rank, piece in enumerate(pieces):
+            merged[rank::world] = piece
+        out[key] = merged
+    out["seconds"] = {k: max(p["seconds"][k] for p in parts) for k in parts[0]["seconds"]}
+    return out
+
+
+def summarise(plan: list[tuple[dict, int]], scored: dict, settings: dict, keep_images: bool = False) -> dict:
+    """The GenEval table of the scored plan, with every sample's record and the settings."""
+    tags = [
+        m.get("tag") or (CATEGORIES[int(c)] if 0 <= int(c) < len(CATEGORIES) else "other")
+        for (m, _), c in zip(plan, scored["category"].tolist())
+    ]
+    result = geneval_table(tags, scored["strict"], scored["score"])
+    result["samples"] = [
+        {"prompt": m["prompt"], "tag": t, "seed": s, "strict": float(a), "score": float(b)}
+        for (m, s), t, a, b in zip(plan, tags, scored["strict"], scored["score"])
+    ]
+    result["settings"] = {**settings, "size": int(scored["pixels"].shape[1])}
+    result["seconds"] = scored["seconds"]
+    if keep_images:
+        result["images"] = scored["pixels"]
+    return result
+
+
+def settings(pipe, metadata: list[dict], seeds: int | list[int], steps: int, cfg: float, min_images: int = 0) -> dict:
+    """What `summarise` records of how the samples were drawn."""
+    return {"prompts": len(metadata), "seeds": seed_list(seeds), "min_images": min_images, "steps": steps,
+            "cfg": cfg, "text_length": text_length(pipe)}  # fmt: skip
+
+
 def evaluate(
     pipe,
     metadata: list[dict],
@@ -126,6 +233,7 @@ def evaluate(
     steps: int = 40,
     cfg: float = 4.5,
     *,
+    min_images: int = 0,
     batch_size: int = 32,
     reward=None,
     size: int | None = None,
@@ -134,50 +242,15 @@ def evaluate(
 ) -> dict:
     """Sample every prompt of `metadata` once per seed and score it with the ShapeEval reward.
 
-    seeds: a count n (seeds 0..n-1) or an explicit list. Returns {"overall": {"strict", "score",
-    "n"}, "categories": {name: {...}}, "samples": [per-image records], "settings": {...},
-    "seconds": {...}} and, with keep_images, "images": uint8 [N, H, W, 3] in sample order
-    (prompt-major: all seeds of prompt 0 first).
+    seeds: a count n (seeds 0..n-1) or an explicit list; min_images: see `plan_samples`. Returns
+    {"overall": {"strict", "score", "n"}, "categories": {name: {...}}, "samples": [per-image
+    records], "settings": {...}, "seconds": {...}} and, with keep_images, "images": uint8
+    [N, H, W, 3] in sample order (prompt-major: all seeds of prompt 0 first).
     """
-    if not metadata:
-        raise ValueError("evaluate() needs at least one prompt")
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seed_list:
-        raise ValueError("evaluate() needs at least one seed")
-    if reward is None:
-        from stepfast.rewards import load
-
-        reward = load("shapes")
-    metas = [m for m in metadata for _ in seed_list]
-    prompts = [m["prompt"] for m in metas]
-    sample_seeds = seed_list * len(metadata)
-
-    start = time.perf_counter()
-    images = sample_images(pipe, prompts, sample_seeds, steps, cfg, batch_size, size, progress)
-    sampled = time.perf_counter()
-    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    out = reward.score(pixels, prompts, metas)
-    scored = time.perf_counter()
-
-    strict = out["strict"].float().numpy()
-    score = out["score"].float().numpy()
-    tags = [
-        m.get("tag") or (CATEGORIES[int(c)] if 0 <= int(c) < len(CATEGORIES) else "other")
-        for m, c in zip(metas, out.get("category", torch.full((len(metas),), -1.0)).tolist())
-    ]
-    result = geneval_table(tags, strict, score)
-    result["samples"] = [
-        {"prompt": p, "tag": t, "seed": s, "strict": float(a), "score": float(b)}
-        for p, t, s, a, b in zip(prompts, tags, sample_seeds, strict, score)
-    ]
-    result["settings"] = {
-        "prompts": len(metadata), "seeds": seed_list, "steps": steps, "cfg": cfg,
-        "size": int(images.shape[-1]), "text_length": text_length(pipe),
-    }  # fmt: skip
-    result["seconds"] = {"sampling": sampled - start, "scoring": scored - sampled}
-    if keep_images:
-        result["images"] = pixels
-    return result
+    plan = plan_samples(metadata, seeds, min_images)
+    scored = draw_and_score(pipe, plan, steps, cfg, batch_size=batch_size, reward=reward, size=size,
+                            progress=progress)  # fmt: skip
+    return summarise(plan, scored, settings(pipe, metadata, seeds, steps, cfg, min_images), keep_images)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,23 +267,24 @@ def markdown_table(result: dict) -> str:
 
 
 def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows: int = 32, scale: int = 2):
-    """A PIL image: one row per prompt (up to max_rows, spread over categories), one column per
-    seed; each image framed green when it passes strictly, red otherwise, with its score."""
+    """A PIL image: one row per prompt (up to max_rows, spread over categories) with its first
+    `columns` seeds; each image framed green when it passes strictly, red otherwise, with its score."""
     from PIL import Image, ImageDraw
 
-    rows = len(samples) // columns
-    order = _spread_rows(samples, columns, max_rows) if rows > max_rows else list(range(rows))
+    rows = _prompt_rows(samples)
+    if len(rows) > max_rows:
+        rows = [r["indices"] for r in spread_over_categories(
+            [{"tag": samples[r[0]]["tag"], "indices": r} for r in rows], max_rows)]  # fmt: skip
     h, w = images.shape[1] * scale, images.shape[2] * scale
     label_w, pad, text_h = 300, 3, 12
     cell_w, cell_h = w + 2 * pad, h + 2 * pad + text_h
-    grid = Image.new("RGB", (label_w + columns * cell_w, len(order) * cell_h), (24, 24, 24))
+    grid = Image.new("RGB", (label_w + columns * cell_w, len(rows) * cell_h), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
-    for y, r in enumerate(order):
-        first = samples[r * columns]
+    for y, row in enumerate(rows):
+        first = samples[row[0]]
         draw.text((4, y * cell_h + cell_h // 2 - 12), f"[{first['tag']}]", fill=(160, 160, 160))
         draw.text((4, y * cell_h + cell_h // 2), first["prompt"], fill=(230, 230, 230))
-        for c in range(columns):
-            i = r * columns + c
+        for c, i in enumerate(row[:columns]):
             x0, y0 = label_w + c * cell_w, y * cell_h
             frame = (40, 200, 60) if samples[i]["strict"] else (210, 50, 50)
             draw.rectangle([x0, y0, x0 + cell_w - 1, y0 + h + 2 * pad - 1], fill=frame)
@@ -220,9 +294,15 @@ def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows:
     return grid
 
 
-def _spread_rows(samples: list[dict], columns: int, max_rows: int) -> list[int]:
-    rows = [{"tag": samples[r * columns]["tag"], "row": r} for r in range(len(samples) // columns)]
-    return [m["row"] for m in spread_over_categories(rows, max_rows)]
+def _prompt_rows(samples: list[dict]) -> list[list[int]]:
+    """Indices of each prompt's samples (consecutive runs of the same prompt)."""
+    rows: list[list[int]] = []
+    for i, sample in enumerate(samples):
+        if rows and samples[rows[-1][0]]["prompt"] == sample["prompt"]:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    return rows
 
 
 def write_report(result: dict, out: Path, columns: int) -> None:
@@ -240,6 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora", default=None, help="LoRA weights to load onto the transformer")
     parser.add_argument("--prompts", default="test", help="train | test | *_metadata.jsonl | prompts .txt")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt (seeds 0..N-1)")
+    parser.add_argument("--min-images", type=int, default=32,
+                        help="more seeds for the prompts of a category with fewer images than this (0 = off)")
     parser.add_argument("--steps", type=int, default=40, help="sampling steps")
     parser.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale")
     parser.add_argument("--out", default="outputs/evaluate", help="directory for results.json/.md and samples.png")
@@ -250,18 +332,22 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.steps < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--seeds, --steps, --batch-size and --limit must be positive")
+    if args.min_images < 0:
+        parser.error("--min-images must be >= 0")
 
     metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
     pipe = load_pipeline(args.model, device=args.device)
     if args.lora:
         load_lora(pipe, args.lora)
     result = evaluate(
-        pipe, metadata, args.seeds, args.steps, args.cfg, batch_size=args.batch_size, size=args.size, keep_images=True
+        pipe, metadata, args.seeds, args.steps, args.cfg, min_images=args.min_images, batch_size=args.batch_size,
+        size=args.size, keep_images=True,
     )
     result["settings"].update(model=str(args.model), lora=args.lora, prompt_source=args.prompts)
     print(markdown_table(result), end="")
     print(
-        f"{len(metadata)} prompts x {args.seeds} seeds, {args.steps} steps, cfg {args.cfg}: "
+        f"{len(metadata)} prompts x {args.seeds}+ seeds ({len(result['samples'])} images), {args.steps} steps, "
+        f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )
     out = Path(args.out)

@@ -175,35 +175,38 @@ class Trainer:
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
 
-    def evaluate(self, tag: str, keep_images: bool = False) -> dict | None:
-        """ODE sampling with CFG on the held-out prompts, EMA weights when kept (rank 0)."""
+    def evaluate(self, tag: str, keep_images: bool = False) -> dict:
+        """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
+        equal share of the images and gets the whole result (so every rank knows which evaluations
+        are done); rank 0 writes eval_{tag}.json."""
+        from stepfast import evaluate as ev
+
         cfg = self.cfg
-        result = None
-        if self.main:
-            from stepfast.evaluate import evaluate
-
-            records = load_prompts(cfg.eval.prompts)
-            metas = [r.metadata or {"prompt": r.prompt} for r in records]
-            if cfg.eval.limit:
-                from stepfast.evaluate import spread_over_categories
-
-                metas = spread_over_categories(metas, cfg.eval.limit)
+        records = load_prompts(cfg.eval.prompts)
+        metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
+        plan = ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images)
+        share, real = ev.shard(plan, self.rank, self.world)
+        if self.ema is not None:
+            self.ema.swap(self.engine.module)
+        try:
+            scored = ev.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg, batch_size=cfg.eval.batch_size,
+                                       reward=rewards.load(cfg.eval.reward), size=cfg.rollout.resolution,
+                                       progress=self.main)  # fmt: skip
+        finally:
             if self.ema is not None:
                 self.ema.swap(self.engine.module)
-            try:
-                result = evaluate(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg,
-                                  batch_size=cfg.eval.batch_size, reward=rewards.load(cfg.eval.reward),
-                                  size=cfg.rollout.resolution, keep_images=keep_images)  # fmt: skip
-            finally:
-                if self.ema is not None:
-                    self.ema.swap(self.engine.module)
-            summary = {"overall": result["overall"], "categories": result["categories"]}
-            self.evals[tag] = summary
+        scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
+        if self.world > 1:
+            parts = [None] * self.world
+            torch.distributed.all_gather_object(parts, scored)
+            scored = ev.unshard(parts, self.world)
+        settings = ev.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
+        result = ev.summarise(plan, scored, settings, keep_images)
+        self.evals[tag] = {"overall": result["overall"], "categories": result["categories"]}
+        if self.main:
             write_json(self.out / f"eval_{tag}.json", {k: v for k, v in result.items() if k != "images"})
             print(f"stepfast: eval {tag}: overall strict {result['overall']['strict']:.3f} "
                   f"score {result['overall']['score']:.3f}")  # fmt: skip
-        if self.world > 1:
-            torch.distributed.barrier()
         return result
 
     # ---------------------------------------------------------------------------------------------

@@ -49,6 +49,39 @@ def test_limit_spreads_prompts_over_categories():
     assert len({m["prompt"] for m in picked}) == 8
 
 
+def test_small_categories_get_more_seeds_up_to_min_images():
+    metadata = [{"prompt": "a", "tag": "single_object"}, {"prompt": "b", "tag": "counting"},
+                {"prompt": "c", "tag": "counting"}, {"prompt": "d", "tag": "counting"}] + [
+                {"prompt": f"e{i}", "tag": "colors"} for i in range(9)]  # fmt: skip
+    plan = ev.plan_samples(metadata, seeds=[3, 5], min_images=9)
+    seeds = {}
+    for meta, seed in plan:
+        seeds.setdefault(meta["prompt"], []).append(seed)
+    assert seeds["a"] == [3, 5, 6, 7, 8, 9, 10, 11, 12]  # 1 prompt: 9 images, numbered on from the last seed
+    assert seeds["b"] == seeds["d"] == [3, 5, 6]  # 3 prompts: ceil(9 / 3) = 3 seeds each
+    assert all(seeds[f"e{i}"] == [3, 5] for i in range(9))  # 18 images already
+    assert [m["prompt"] for m, _ in plan[:9]] == ["a"] * 9  # prompt-major
+    assert len(ev.plan_samples(metadata, seeds=2)) == 2 * len(metadata)  # min_images=0: GenEval's plan
+    with pytest.raises(ValueError, match="min_images"):
+        ev.plan_samples(metadata, 2, min_images=-1)
+
+
+@pytest.mark.parametrize("n, world", [(7, 2), (10, 3), (2, 3), (5, 1)])
+def test_shards_pad_to_equal_lengths_and_unshard_restores_the_order(n, world):
+    plan = list(range(n))
+    shares = [ev.shard(plan, rank, world) for rank in range(world)]
+    assert len({len(share) for share, _ in shares}) == 1  # the same pipeline calls on every rank
+    parts = []
+    for share, real in shares:
+        values = np.array(share[:real], dtype=float)
+        parts.append({"strict": values, "score": values * 2, "category": values, "seconds": {"sampling": real},
+                      "pixels": np.repeat(values.astype(np.uint8)[:, None, None, None], 3, axis=3)})  # fmt: skip
+    merged = ev.unshard(parts, world)
+    assert merged["strict"].tolist() == plan and merged["score"].tolist() == [2 * p for p in plan]
+    assert merged["pixels"][:, 0, 0, 0].tolist() == plan
+    assert merged["seconds"]["sampling"] == max(real for _, real in shares)
+
+
 def test_prompt_text_file_is_parsed_and_bad_lines_are_named(tmp_path):
     good = tmp_path / "p.txt"
     good.write_text("a photo of two circles\n\na photo of a red square\n")
@@ -76,6 +109,22 @@ def test_seeds_fix_the_images_whatever_the_batch_size(tiny):
     assert a["overall"]["score"] == pytest.approx(np.mean([s["score"] for s in a["samples"]]))
 
 
+def test_min_images_draws_more_seeds_and_the_grid_shows_the_first_ones(tiny):
+    _, pipe = tiny
+    metadata = load_metadata("test")[:3]  # one prompt in each of three categories
+    reward = CountingReward()
+    result = ev.evaluate(pipe, metadata, seeds=2, steps=2, min_images=3, batch_size=4, reward=reward,
+                         progress=False, keep_images=True)  # fmt: skip
+    assert [s["seed"] for s in result["samples"]] == [0, 1, 2] * 3
+    assert result["settings"]["seeds"] == [0, 1] and result["settings"]["min_images"] == 3
+    assert all(row["n"] == 3 for row in result["categories"].values())
+    same = ev.evaluate(pipe, metadata, seeds=3, steps=2, batch_size=5, reward=reward, progress=False, keep_images=True)
+    diff = np.abs(result["images"].astype(int) - same["images"].astype(int))
+    assert diff.max() <= 2  # seed 2 is the same image whichever way it was asked for
+    grid = ev.sample_grid(result["images"], result["samples"], columns=2, scale=1)
+    assert grid.size[1] == 3 * (64 + 6 + 12) and grid.size[0] == 300 + 2 * (64 + 6)
+
+
 def test_lora_changes_the_samples(tiny, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig, get_peft_model_state_dict
@@ -101,14 +150,15 @@ def test_lora_changes_the_samples(tiny, tmp_path):
 def test_evaluation_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "eval"
     result = ev.main(
-        ["--model", EMBEDDED_MODEL, "--limit", "8", "--seeds", "2", "--steps", "6", "--out", str(out)]
+        ["--model", EMBEDDED_MODEL, "--limit", "8", "--seeds", "2", "--min-images", "4", "--steps", "6", "--out", str(out)]
     )
     printed = capsys.readouterr().out
     assert "| **overall** |" in printed and "| counting |" in printed
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["categories"]) == set(CATEGORIES)
     assert saved["settings"]["steps"] == 6 and saved["settings"]["seeds"] == [0, 1]
-    assert len(saved["samples"]) == 16
+    # 8 prompts: counting and colors get two, the other categories one, drawn with 4 seeds
+    assert len(saved["samples"]) == 24 and all(row["n"] == 4 for row in saved["categories"].values())
     means = [saved["categories"][c]["strict"] for c in CATEGORIES]
     assert saved["overall"]["strict"] == pytest.approx(np.mean(means))
     for sample in saved["samples"]:

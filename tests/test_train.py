@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import signal
@@ -196,6 +197,28 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     for i in range(2):
         for key in keys:
             assert got[i][key] == pytest.approx(want[i][key], abs=1e-5, rel=1e-5), (i + 1, key)
+
+
+def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
+    """Two ranks draw half of the held-out images each (ZeRO-3: the same pipeline calls on both, an
+    odd number of images) and rank 0 writes the table one rank writes alone."""
+    evaluation = {"before_after": True, "prompts": "shapeeval:test", "reward": "train_helpers:brightness_eval",
+                  "limit": 7, "seeds": 1, "min_images": 3, "steps": 2, "batch_size": 3}  # fmt: skip
+    results = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0, eval=evaluation,
+                          optim={"zero_stage": 3}, log={"tensorboard": False, "report": True})  # fmt: skip
+        train(write_config(tmp_path / f"cfg{ranks}.yaml", cfg), ranks=ranks)
+        results[ranks] = {tag: json.loads((out / f"eval_{tag}.json").read_text()) for tag in ("before", "after")}
+    for tag in ("before", "after"):
+        one, two = results[1][tag]["samples"], results[2][tag]["samples"]
+        # 7 prompts: counting gets two (2 seeds each), the other categories one (3 seeds): 19 images
+        assert len(one) == len(two) == 19
+        assert [(s["prompt"], s["seed"]) for s in two] == [(s["prompt"], s["seed"]) for s in one]
+        for a, b in zip(one, two):
+            assert b["score"] == pytest.approx(a["score"], abs=1e-3)
+    assert (tmp_path / "ranks2" / "report" / "samples_after.png").exists()
 
 
 # --- bad input: a clear error, exit code 2, nothing lost ----------------------------------------

@@ -18,3 +18,9 @@ def nan_reward(images, prompts, metadata=None):
     score = brightness(images, prompts)["score"]
     score[len(score) // 2] = float("nan")
     return {"score": score}
+
+
+def brightness_eval(images, prompts, metadata=None):
+    """`brightness` with a pass/fail, for the held-out evaluation (which reports both)."""
+    score = brightness(images, prompts)["score"]
+    return {"score": score, "strict": (score > 0.5).float()}
