@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -141,9 +142,7 @@ def plan_samples(metadata: list[dict], seeds: int | list[int] = 4, min_images: i
         raise ValueError("evaluate() needs at least one seed")
     if min_images < 0:
         raise ValueError(f"min_images must be >= 0, got {min_images}")
-    per_tag: dict[str, int] = {}
-    for meta in metadata:
-        per_tag[meta.get("tag", "")] = per_tag.get(meta.get("tag", ""), 0) + 1
+    per_tag = Counter(meta.get("tag", "") for meta in metadata)
     plan = []
     for meta in metadata:
         wanted = max(len(base), -(-min_images // per_tag[meta.get("tag", "")]))

@@ -224,9 +224,8 @@ class Trainer:
                 metrics = self.iteration(it)
                 if cfg.eval.every and it % cfg.eval.every == 0 and it != cfg.iterations:
                     result = self.evaluate(f"iter{it:06d}")
-                    if result is not None:
-                        metrics["eval/strict"] = result["overall"]["strict"]
-                        metrics["eval/score"] = result["overall"]["score"]
+                    metrics["eval/strict"] = result["overall"]["strict"]
+                    metrics["eval/score"] = result["overall"]["score"]
                 self.logger.log(it, metrics)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", s_it=f"{metrics['time/iteration']:.1f}")
                 if (cfg.checkpoint_every and it % cfg.checkpoint_every == 0) or it == cfg.iterations:
