@@ -8,8 +8,9 @@ ARGS ?=
 # is sized for, an iteration of 32 samples took 9.3 s as two ranks and 16.7 s as one rank on both
 # cores: the tiny model's operations are too small to spread over threads. Threads per rank: the
 # cores shared out, at least one. Override with `make train RANKS=1 THREADS=2`.
-RANKS ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
-THREADS ?= $(shell n=$$(( $$(nproc) / $(RANKS) )); echo $$(( n > 0 ? n : 1 )))
+# Both are shell expressions, evaluated once in the recipe (after .venv exists).
+RANKS ?= $$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
+THREADS ?= $$(( $$(nproc) / ranks > 0 ? $$(nproc) / ranks : 1 ))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepfast-installed
 
@@ -26,7 +27,8 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 train: $(STAMP)
-	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/deepspeed --num_gpus $(RANKS) stepfast/train.py $(ARGS)
+	ranks=$(RANKS); threads=$(THREADS); \
+	OMP_NUM_THREADS=$$threads $(VENV)/bin/deepspeed --num_gpus $$ranks stepfast/train.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable -s
