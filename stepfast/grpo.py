@@ -207,6 +207,18 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     return stats
 
 
+def category_rewards(final: torch.Tensor, tags: list[str | None], group_size: int) -> dict[str, float]:
+    """Mean final reward per prompt category in the batch, {"category/<tag>": mean}, from the
+    gathered final rewards [G * N] (group-major) and the tag of each group's prompt (GenEval's
+    metadata `tag`; groups without one are left out)."""
+    per_group = final.reshape(len(tags), group_size).mean(1)
+    out: dict[str, list[float]] = {}
+    for tag, value in zip(tags, per_group.tolist()):
+        if tag:
+            out.setdefault(f"category/{tag}", []).append(value)
+    return {k: sum(v) / len(v) for k, v in sorted(out.items())}
+
+
 def gain_magnitudes(global_rewards: torch.Tensor) -> torch.Tensor:
     """Mean |r_{j+1} - r_j| per step over the batch [T]."""
     return (global_rewards[:, 1:] - global_rewards[:, :-1]).abs().mean(0)

@@ -25,17 +25,38 @@ def _column(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(it, dtype=float), np.asarray(val, dtype=float)
 
 
+def _moving_mean(values: np.ndarray, parts: int = 10) -> tuple[int, np.ndarray]:
+    """A moving mean over a window of a `parts`-th of the points (at least 2): (window, means)."""
+    k = max(len(values) // parts, 2)
+    return k, np.convolve(values, np.ones(k) / k, mode="valid")
+
+
 def reward_curve(rows: list[dict], path: Path) -> None:
+    """The train reward over iterations; with tagged prompts (GenEval categories), a second panel
+    with each category's reward, a moving mean over the iterations that drew it."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    categories = sorted({k for r in rows for k in r if k.startswith("category/")})
+    fig, axes = plt.subplots(1, 2 if categories else 1, figsize=(11 if categories else 6, 3.5), squeeze=False)
+    ax = axes[0, 0]
     it, r = _column(rows, "reward")
     ax.plot(it, r, label="train reward (final images)")
     if len(r) >= 5:
-        k = max(len(r) // 10, 2)
-        ax.plot(it[k - 1:], np.convolve(r, np.ones(k) / k, mode="valid"), label=f"moving mean ({k})")
+        k, mean = _moving_mean(r)
+        ax.plot(it[k - 1:], mean, label=f"moving mean ({k})")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.legend()
+    if categories:
+        ax = axes[0, 1]
+        for key in categories:
+            it, r = _column(rows, key)
+            if len(r) >= 5:
+                k, mean = _moving_mean(r, parts=5)  # a category is drawn in only some iterations
+                it, r = it[k - 1:], mean
+            ax.plot(it, r, label=key.split("/", 1)[1])
+        ax.set_xlabel("iteration")
+        ax.set_title("by category (moving mean)", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -172,6 +172,9 @@ class Trainer:
         if stepwise:
             metrics.update({f"gain/{j}": float(g) for j, g in enumerate(grpo.gain_magnitudes(global_rewards))})
         metrics = reduce_stats(metrics, self.world, self.device)
+        # gathered, so the same on every rank: added after the reduction
+        tags = [(self.prompts[i].metadata or {}).get("tag") for i in self.sampler.group_prompts(it)]
+        metrics.update(grpo.category_rewards(global_rewards[:, -1], tags, cfg.rollout.group_size))
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 import yaml
 
-from stepfast import checkpoint
+from stepfast import checkpoint, grpo
+from stepfast.data.prompts import load_prompts
+from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +72,16 @@ def metrics(out: Path) -> list[dict]:
         return [{k: float(v) if v not in ("",) else None for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def test_category_rewards_average_each_category_over_its_groups():
+    final = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4, 0.0, 0.9, 0.3])  # 3 groups of 3
+    out = grpo.category_rewards(final, ["colors", None, "colors"], group_size=3)
+    assert list(out) == ["category/colors"]
+    assert out["category/colors"] == pytest.approx((0.5 + 0.4) / 2)
+    assert grpo.category_rewards(final, [None, None, None], group_size=3) == {}
+    with pytest.raises(RuntimeError):
+        grpo.category_rewards(final, ["a", "b"], group_size=3)  # 9 rewards are not 2 groups of 3
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from stepfast.models.tiny import tiny_pipeline_dir
@@ -88,7 +100,7 @@ def baseline(model_dir, tmp_path_factory):
 
 
 def test_run_writes_metrics_checkpoints_and_report(baseline):
-    _, out = baseline
+    config, out = baseline
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
@@ -98,6 +110,16 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
             assert r[f"time/{phase}"] > 0
         assert r["gain/0"] is not None
     assert rows[-1]["reward"] != rows[0]["reward"]
+    # the default prompts carry GenEval tags: each iteration logs the reward of the categories it drew,
+    # and the groups' category rewards average back to the batch reward
+    cfg = yaml.safe_load(config.read_text())
+    prompts = load_prompts("shapeeval:train")
+    sampler = KRepeatSampler(len(prompts), 2, 4, world=1, rank=0, seed=cfg["seed"])
+    for r in rows:
+        tags = [prompts[i].metadata["tag"] for i in sampler.group_prompts(int(r["iteration"]))]
+        logged = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("category/") and v is not None}
+        assert set(logged) == set(tags)
+        assert sum(logged[t] for t in tags) / len(tags) == pytest.approx(r["reward"], abs=1e-6)
     done = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert done == ["checkpoint-000002", "checkpoint-000004"]
     assert (out / "checkpoints" / "checkpoint-000004" / "lora" / "pytorch_lora_weights.safetensors").exists()
@@ -196,7 +218,10 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     keys = [k for k in want[0] if not k.startswith(("time/", "grad_norm"))]
     for i in range(2):
         for key in keys:
-            assert got[i][key] == pytest.approx(want[i][key], abs=1e-5, rel=1e-5), (i + 1, key)
+            if want[i][key] is None:  # a prompt category that iteration did not draw
+                assert got[i].get(key) is None, (i + 1, key)
+            else:
+                assert got[i][key] == pytest.approx(want[i][key], abs=1e-5, rel=1e-5), (i + 1, key)
 
 
 def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
