@@ -114,7 +114,8 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     # and the groups' category rewards average back to the batch reward
     cfg = yaml.safe_load(config.read_text())
     prompts = load_prompts("shapeeval:train")
-    sampler = KRepeatSampler(len(prompts), 2, 4, world=1, rank=0, seed=cfg["seed"])
+    sampler = KRepeatSampler(len(prompts), cfg["rollout"]["groups"], cfg["rollout"]["group_size"], world=1, rank=0,
+                             seed=cfg["seed"])  # fmt: skip
     for r in rows:
         tags = [prompts[i].metadata["tag"] for i in sampler.group_prompts(int(r["iteration"]))]
         logged = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("category/") and v is not None}
