@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -19,6 +18,8 @@ from stepfast import rewards
 from stepfast.data.shapeeval import load_metadata, render_batch
 from stepfast.reward_server import Batcher, RewardServer
 from stepfast.rewards.remote import RewardServerError, encode_png
+
+from loopback import LoopbackServer
 
 FAST = dict(retries=3, backoff=0.01, timeout=10.0)
 
@@ -168,58 +169,35 @@ def explodes(images, prompts, metadata):
     raise RuntimeError("reward model exploded")
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """A loopback proxy in front of a reward server that injects one fault per request, in order:
     "500", "malformed", "partial" (valid JSON without scores), "slow" (answers after `slow_s`),
     "drop" (closes without answering); "ok" (also when the list is empty) forwards the request."""
 
     def __init__(self, upstream_port: int, faults: list[str], slow_s: float = 1.5):
-        self.faults, self.requests, self.slow_s = list(faults), 0, slow_s
-        proxy = self
+        faults = list(faults)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                proxy.requests += 1
-                fault = proxy.faults.pop(0) if proxy.faults else "ok"
-                try:
-                    if fault == "drop":
-                        self.close_connection = True
-                        self.connection.shutdown(2)
-                        return
-                    if fault == "500":
-                        return self.answer(500, b'{"error": "injected failure"}')
-                    if fault == "malformed":
-                        return self.answer(200, b'{"scores": {"shapes": [1, 2')
-                    if fault == "partial":
-                        return self.answer(200, b'{"result": "no scores here"}')
-                    if fault == "slow":
-                        time.sleep(proxy.slow_s)
-                    conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=10)
-                    conn.request("POST", self.path, body=body, headers={"Content-Type": "application/json"})
-                    resp = conn.getresponse()
-                    self.answer(resp.status, resp.read())
-                    conn.close()
-                except OSError:  # the client gave up on a slow answer
-                    pass
+        def answer(path, body):
+            fault = faults.pop(0) if faults else "ok"
+            if fault == "drop":
+                return None
+            if fault == "500":
+                return 500, b'{"error": "injected failure"}'
+            if fault == "malformed":
+                return 200, b'{"scores": {"shapes": [1, 2'
+            if fault == "partial":
+                return 200, b'{"result": "no scores here"}'
+            if fault == "slow":
+                time.sleep(slow_s)
+            conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=10)
+            try:
+                conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            finally:
+                conn.close()
 
-            def answer(self, status, payload):
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(answer)
 
 
 @pytest.fixture
@@ -240,7 +218,7 @@ def test_client_retries_500s_malformed_and_dropped_answers(proxy_factory, local,
     proxy = proxy_factory(["500", "malformed", "drop", "partial"])
     remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=4, backoff=0.01, timeout=10)
     assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
-    assert proxy.requests == 5
+    assert len(proxy.requests) == 5
 
 
 def test_client_times_out_a_slow_answer_then_retries(proxy_factory, local, scenes):
@@ -250,7 +228,7 @@ def test_client_times_out_a_slow_answer_then_retries(proxy_factory, local, scene
     began = time.monotonic()
     assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
     assert 0.5 <= time.monotonic() - began < 2.0  # it did not wait for the slow answer
-    assert proxy.requests == 2
+    assert len(proxy.requests) == 2
 
 
 def test_client_gives_up_with_an_error_naming_the_server(proxy_factory, scenes):
@@ -261,7 +239,7 @@ def test_client_gives_up_with_an_error_naming_the_server(proxy_factory, scenes):
         remote.score(images, prompts)
     message = str(info.value)
     assert proxy.url in message and "4 attempt(s)" in message and "HTTP 500" in message and "injected failure" in message
-    assert info.value.attempts == 4 and proxy.requests == 4
+    assert info.value.attempts == 4 and len(proxy.requests) == 4
 
 
 def test_client_survives_a_server_restart_and_names_a_dead_server(local, scenes):

@@ -4,8 +4,6 @@ import base64
 import io
 import json
 import pickle
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -15,36 +13,7 @@ from PIL import Image
 from stepfast import rewards
 from stepfast.rewards.transport import RewardServerError
 
-
-class LoopbackServer:
-    """A threaded HTTP server on 127.0.0.1 whose POST answers come from `answer(body) -> (status, bytes)`."""
-
-    def __init__(self, answer):
-        self.requests = []
-
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.requests.append((self.path, dict(self.headers), body))
-                status, payload = answer(body)
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from loopback import LoopbackServer
 
 
 @pytest.fixture
@@ -59,7 +28,7 @@ PROMPTS = ["a red cube", "two cats", "unjudgeable", "a sign", "a dog"]
 def judge_answer(fail_first: list):
     """An OpenAI-compatible judge: 'Final Score: 1 + 4 * mean brightness', read from the data URL."""
 
-    def answer(body):
+    def answer(path, body):
         if fail_first:
             fail_first.pop()
             return 500, b'{"error": "warming up"}'
@@ -102,7 +71,7 @@ def test_vlm_judge_scores_and_parses(images):
 def test_vlm_judge_defaults_follow_unified_reward(images):
     sizes = []
 
-    def answer(body):
+    def answer(path, body):
         request = json.loads(body)
         url = request["messages"][0]["content"][0]["image_url"]["url"]
         sizes.append(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size)
@@ -129,7 +98,7 @@ TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_
 def geneval_answer(fail_first: list):
     """Flow-GRPO's GenEval server protocol, with results computed from the metadata."""
 
-    def answer(body):
+    def answer(path, body):
         if fail_first:
             fail_first.pop()
             return 500, b"Traceback: CUDA out of memory"
