@@ -54,6 +54,9 @@ class Trainer:
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
+        # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
+        # an error before training, not at the first evaluation.
+        self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else grpo.InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
@@ -178,6 +181,15 @@ class Trainer:
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
 
+    def _eval_setup(self) -> tuple[list[dict], list, object]:
+        """(metadata of the evaluated prompts, the (metadata, seed) plan, the eval reward)."""
+        from stepfast import evaluate as ev
+
+        cfg = self.cfg
+        records = load_prompts(cfg.eval.prompts)
+        metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
+        return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), rewards.load(cfg.eval.reward)
+
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
         equal share of the images and gets the whole result (so every rank knows which evaluations
@@ -185,15 +197,13 @@ class Trainer:
         from stepfast import evaluate as ev
 
         cfg = self.cfg
-        records = load_prompts(cfg.eval.prompts)
-        metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
-        plan = ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images)
+        metas, plan, reward = self.eval_setup or self._eval_setup()
         share, real = ev.shard(plan, self.rank, self.world)
         if self.ema is not None:
             self.ema.swap(self.engine.module)
         try:
             scored = ev.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg, batch_size=cfg.eval.batch_size,
-                                       reward=rewards.load(cfg.eval.reward), size=cfg.rollout.resolution,
+                                       reward=reward, size=cfg.rollout.resolution,
                                        progress=self.main)  # fmt: skip
         finally:
             if self.ema is not None:

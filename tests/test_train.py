@@ -264,17 +264,21 @@ def test_missing_model_directory(tmp_path):
     assert f"pipeline directory {tmp_path / 'nowhere'} does not exist" in proc.stderr
 
 
+@pytest.mark.parametrize("section", ["rollout", "eval"])
 @pytest.mark.parametrize("content, message", [
     ("", "holds no prompts"),
     ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', ":2: malformed JSON"),
 ])  # fmt: skip
-def test_bad_prompt_file(model_dir, tmp_path, content, message):
+def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
+    """Train or eval prompts: the error comes at start, before any iteration or checkpoint."""
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text(content)
-    cfg = base_config(model_dir, tmp_path / "run", rollout={"prompts": str(prompts)})
+    options = {"prompts": str(prompts), **({"every": 2} if section == "eval" else {})}
+    cfg = base_config(model_dir, tmp_path / "run", **{section: options})
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
     assert proc.returncode == 2
     assert str(prompts) in proc.stderr and message in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
 
 
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
