@@ -39,7 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--config", default="default", help="preset name in stepfast/configs or a YAML path")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="key=value overrides, dotted (e.g. optim.lr=1e-4)")
-    return p.parse_args(argv)
+    # intermixed: `train.py iterations=2 --config flow_grpo seed=1` keeps both overrides (plain
+    # parse_args stops collecting positionals at the first option and rejects the rest)
+    return p.parse_intermixed_args(argv)
 
 
 class Trainer:

@@ -98,3 +98,12 @@ def test_default_preset_does_not_train_the_near_deterministic_ddim_step():
     excluded = [j for j in range(cfg.sde.steps) if 0 < scale[j] and j not in grpo.trained_steps(cfg)]
     assert excluded == [8] and grpo.trained_steps(cfg) == list(range(1, 8))
     assert scale[8] > 25 * max(scale[j] for j in range(1, 8))
+
+
+def test_command_line_takes_overrides_on_both_sides_of_the_options():
+    from stepfast.train import parse_args
+
+    args = parse_args(["iterations=2", "--config", "flow_grpo", "seed=1", "--local_rank=0", "optim.lr=1e-4"])
+    assert args.config == "flow_grpo" and args.overrides == ["iterations=2", "seed=1", "optim.lr=1e-4"]
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.credit, cfg.iterations, cfg.seed, cfg.optim.lr) == ("flow_grpo", 2, 1, 1e-4)
