@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed + rank)
     try:
         Trainer(cfg, rank, world, device).fit()
-    except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        # bad input (config, model directory, prompt file, a NaN reward): the message names it
+    except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
+        # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
         print(f"stepfast: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -281,6 +281,19 @@ def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
 
 
+@pytest.mark.parametrize("section, options, message", [
+    ("reward", {"weights": {"shapez": 1.0}}, "unknown reward 'shapez'"),
+    ("eval", {"reward": "no_such_module:score", "every": 2}, "cannot import reward module 'no_such_module'"),
+])  # fmt: skip
+def test_bad_reward_name(model_dir, tmp_path, section, options, message):
+    """Train or eval reward: the error names it, at start, before any iteration or checkpoint."""
+    cfg = base_config(model_dir, tmp_path / "run", **{section: options})
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n{"prompt": "a photo of a square"}\n')
