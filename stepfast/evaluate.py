@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -356,4 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        # bad input (model or LoRA directory, prompt file): the message names it, no traceback
+        print(f"stepfast.evaluate: error: {exc}", file=sys.stderr)
+        sys.exit(2)

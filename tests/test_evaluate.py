@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -178,3 +180,17 @@ def test_evaluate_rejects_empty_input(tiny):
         ev.evaluate(pipe, [], reward=CountingReward())
     with pytest.raises(ValueError, match="at least one seed"):
         ev.evaluate(pipe, load_metadata("test")[:1], seeds=[], reward=CountingReward())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora", "{tmp}/no_lora"], "LoRA weights {tmp}/no_lora do not exist"),
+    (["--prompts", "{tmp}/none_metadata.jsonl"], "prompt file {tmp}/none_metadata.jsonl does not exist"),
+    (["--model", "{tmp}/no_model"], "pipeline directory {tmp}/no_model does not exist"),
+])  # fmt: skip
+def test_evaluation_command_names_bad_input_without_a_traceback(tmp_path, args, message):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "stepfast.evaluate", *(a.format(tmp=tmp_path) for a in args), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
