@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.models import EMBEDDED_MODEL, text_length
+from stepfast.models import EMBEDDED_MODEL, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
 
@@ -317,6 +317,13 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if min(cfg.steps, cfg.vae_steps, cfg.batch_size, cfg.pool_size) < 1:
         parser.error("--steps, --vae-steps, --batch-size and --pool-size must be positive")
+    if args.vae:  # checked before the minutes of setup, and never looked up on a hub
+        try:
+            vae_dir = check_pipeline_dir(args.vae) / "vae"
+        except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+            parser.error(f"--vae: {exc}")
+        if not (vae_dir / "config.json").is_file():
+            parser.error(f"--vae: {vae_dir} holds no config.json (expected a pipeline written by this command)")
     device = torch.device(args.device)
     out = Path(args.out).resolve()
 
@@ -334,7 +341,8 @@ def main(argv: list[str] | None = None) -> Path:
     if args.vae:
         from diffusers import AutoencoderKL
 
-        pipe.vae = AutoencoderKL.from_pretrained(Path(args.vae) / "vae").to(device).eval().requires_grad_(False)
+        vae = AutoencoderKL.from_pretrained(vae_dir, local_files_only=True)
+        pipe.vae = vae.to(device).eval().requires_grad_(False)
         pipe.register_modules(vae=pipe.vae)
         vae_losses = [float("nan")]
     else:
