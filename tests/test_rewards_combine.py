@@ -12,16 +12,48 @@ from PIL import Image
 from stepfast import rewards
 from stepfast.rewards.async_scoring import AsyncScorer
 from stepfast.rewards.combine import WeightedReward
+from stepfast.rewards.images import to_uint8
 
 
 def brightness(images, prompts, metadata):
     """A custom reward given by import path: mean pixel value in [0, 1], plus the prompt length."""
-    pixels = torch.from_numpy(rewards.images.to_uint8(images)).float()
+    pixels = torch.from_numpy(to_uint8(images)).float()
     return {"score": pixels.mean(dim=(1, 2, 3)) / 255, "chars": torch.tensor([float(len(p)) for p in prompts])}
 
 
 def darkness(images, prompts, metadata):
     return 1 - brightness(images, prompts, metadata)["score"]
+
+
+class Darkness:
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def score(self, images, prompts, metadata=None):
+        return {"score": self.scale * darkness(images, prompts, metadata)}
+
+
+def make_darkness(scale=1.0):
+    """A factory: every argument has a default, so it is called even without options."""
+    return Darkness(scale)
+
+
+def test_custom_rewards_by_import_path_class_factory_and_function(images):
+    dark = darkness(images, PROMPTS, None)
+    for target, options, expected in [
+        ("test_rewards_combine:darkness", {}, dark),
+        ("test_rewards_combine:Darkness", {}, dark),
+        ("test_rewards_combine:Darkness", {"scale": 2.0}, 2 * dark),
+        ("test_rewards_combine:make_darkness", {}, dark),
+        ("test_rewards_combine:make_darkness", {"scale": 3.0}, 3 * dark),
+    ]:
+        torch.testing.assert_close(rewards.load(target, **options).score(images, PROMPTS)["score"], expected)
+    with pytest.raises(TypeError, match="returned float, which has no score"):
+        rewards.load("test_rewards_combine:jpeg_kb_of_nothing")
+
+
+def jpeg_kb_of_nothing():
+    return 0.0
 
 
 class NaNReward:

@@ -16,6 +16,7 @@ names a reward class, a factory, or a plain function `fn(images, prompts, metada
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable, Protocol
 
 import torch
@@ -77,6 +78,18 @@ class FunctionReward:
         return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
+def _is_factory(fn) -> bool:
+    """True for a callable that takes no positional argument (`make()`, `make(device="cpu")`): a
+    factory, even without options; a scoring function takes (images, prompts, metadata)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): a scoring function
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return not any(p.kind in positional and (p.default is p.empty or p.kind is inspect.Parameter.VAR_POSITIONAL)
+                   for p in params)  # fmt: skip
+
+
 def load(name: str, **options) -> Reward:
     """The reward registered as `name` (or at import path "module:attr"), built with `options`."""
     if name in REGISTRY:
@@ -93,7 +106,7 @@ def load(name: str, **options) -> Reward:
         return obj(**options)
     if not callable(obj):
         raise TypeError(f"reward {name!r} resolves to {obj!r}, which is neither a class nor a function")
-    if options:  # a factory: called with the options, it must return a reward
+    if options or _is_factory(obj):  # a factory: called with the options, it must return a reward
         built = obj(**options)
         if not hasattr(built, "score"):
             raise TypeError(f"reward factory {name!r} returned {type(built).__name__}, which has no score()")
