@@ -33,7 +33,7 @@ class MetricsLogger:
             try:
                 import wandb as wandb_module
             except ImportError as exc:
-                raise RuntimeError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
+                raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
             self.wandb = wandb_module.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
 
     def log(self, iteration: int, values: dict[str, float]) -> None:

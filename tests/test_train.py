@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import shutil
@@ -292,6 +293,15 @@ def test_bad_reward_name(model_dir, tmp_path, section, options, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_the_package_is_a_clear_error(model_dir, tmp_path):
+    cfg = base_config(model_dir, tmp_path / "run", log={"wandb": True})
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2
+    assert "log.wandb=true, but wandb is not installed" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
