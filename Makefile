@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch
+# Where pip finds torch, when not the default index (e.g. https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
 ARGS ?=
 # `make train` ranks: one per GPU; without CUDA, two CPU ranks. On the 2-core machine the default run
 # is sized for, an iteration of 32 samples took 9.3 s as two ranks and 16.7 s as one rank on both
@@ -19,7 +21,7 @@ STAMP := $(VENV)/.stepfast-installed
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade setuptools wheel
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	@touch $(STAMP)
 

@@ -4,7 +4,8 @@
                                 [--threads 1] [--snapshot-every N] [--vae DIR]
 
 Three phases, all drawing their data and noise from --seed (a rerun sees the same scenes, noise
-and captions; float rounding on the CPU can still differ in the last bits between processes):
+and captions; a rebuild on the same machine and libraries wrote byte-identical weights, while another
+CPU or library build can round differently in the last bits):
 1. VAE: the AutoencoderKL learns to reconstruct rendered scenes (L1 + L2 with the shapes' pixels
    weighted up, plus a small KL term), on 32x32 crops since it is purely convolutional (a quarter
    of the cost of full scenes).

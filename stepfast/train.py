@@ -37,6 +37,8 @@ from stepfast.sde import sd3_time_grid
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default", help="preset name in stepfast/configs or a YAML path")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the configuration the preset and overrides give, as YAML, and exit")  # fmt: skip
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="key=value overrides, dotted (e.g. optim.lr=1e-4)")
     # intermixed: `train.py iterations=2 --config flow_grpo seed=1` keeps both overrides (plain
@@ -271,6 +273,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
     try:

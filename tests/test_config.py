@@ -107,3 +107,18 @@ def test_command_line_takes_overrides_on_both_sides_of_the_options():
     assert args.config == "flow_grpo" and args.overrides == ["iterations=2", "seed=1", "optim.lr=1e-4"]
     cfg = load_config(args.config, args.overrides)
     assert (cfg.credit, cfg.iterations, cfg.seed, cfg.optim.lr) == ("flow_grpo", 2, 1, 1e-4)
+
+
+def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_path):
+    import yaml
+
+    from stepfast.train import main
+
+    out = tmp_path / "never_written"
+    assert main(["--config", "flow_grpo", "--print-config", "seed=7", f"output_dir={out}"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == config_module.to_dict(load_config("flow_grpo", ["seed=7", f"output_dir={out}"]))
+    assert (printed["credit"], printed["seed"], printed["optim"]["lr"]) == ("flow_grpo", 7, 3e-4)
+    assert not out.exists()
+    assert main(["--print-config", "optim.lrr=1"]) == 2  # a mistyped key is still an error
+    assert "did you mean 'lr'" in capsys.readouterr().err
