@@ -153,9 +153,10 @@ def _type_hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _suggest(key: str, options) -> str:
+def _suggest(key: str, options, prefix: str = "") -> str:
+    """'; did you mean <prefix><closest>?' (the full dotted key), or the valid keys of the section."""
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -203,13 +204,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _apply(obj, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     fields = _fields(type(obj))
     hints = _type_hints(type(obj))
     for key, value in data.items():
         where = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields)}")
+            raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields, prefix)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, f"{where}.")
@@ -224,7 +225,7 @@ def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
         fields = _fields(type(obj))
         where = ".".join(parts[: i + 1])
         if part not in fields:
-            raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields)}")
+            raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields, where[: -len(part)])}")
         if i == len(parts) - 1:
             current = getattr(obj, part)
             if dataclasses.is_dataclass(current):
@@ -239,8 +240,11 @@ def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
 
 def preset_path(name: str) -> Path:
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
+    if path.suffix in (".yaml", ".yml") or "/" in name:
+        if path.is_file():
+            return path
+        if not (CONFIG_DIR / f"{name}.yaml").exists():
+            raise ConfigError(f"config file {name!r} " + ("is a directory" if path.is_dir() else "does not exist"))
     candidate = CONFIG_DIR / f"{name}.yaml"
     if candidate.exists():
         return candidate
@@ -265,9 +269,11 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
     if preset:
         path = preset_path(preset)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: malformed YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         _apply(cfg, data)
     for text in overrides or []:
         key, value = parse_override(text)
@@ -303,17 +309,37 @@ def validate(cfg: Config) -> None:
     positive = {
         "iterations": cfg.iterations, "rollout.groups": cfg.rollout.groups,
         "rollout.group_size": cfg.rollout.group_size, "rollout.substeps": cfg.rollout.substeps,
-        "rollout.micro_batch": cfg.rollout.micro_batch, "sde.steps": cfg.sde.steps,
-        "optim.updates_per_iteration": cfg.optim.updates_per_iteration,
+        "rollout.micro_batch": cfg.rollout.micro_batch, "rollout.resolution": cfg.rollout.resolution,
+        "sde.steps": cfg.sde.steps, "optim.updates_per_iteration": cfg.optim.updates_per_iteration,
+        "keep_checkpoints": cfg.keep_checkpoints, "reward.batch_size": cfg.reward.batch_size,
+        "eval.seeds": cfg.eval.seeds, "eval.steps": cfg.eval.steps, "eval.batch_size": cfg.eval.batch_size,
+        "log.grid_prompts": cfg.log.grid_prompts,
     }  # fmt: skip
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    non_negative = {
+        "checkpoint_every": cfg.checkpoint_every, "eval.every": cfg.eval.every, "eval.limit": cfg.eval.limit,
+        "eval.min_images": cfg.eval.min_images, "optim.warmup": cfg.optim.warmup, "optim.lr": cfg.optim.lr,
+        "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
+        "optim.beta": cfg.optim.beta, "sde.min_std": cfg.sde.min_std, "sde.eta": cfg.sde.eta,
+        "credit_opts.adv_clip": cfg.credit_opts.adv_clip, "credit_opts.eps": cfg.credit_opts.eps,
+    }  # fmt: skip
+    for key, value in non_negative.items():
+        if not value >= 0:  # also catches NaN
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not cfg.optim.clip_range > 0:
+        raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.sde.window is not None:
         w = cfg.sde.window
         if len(w) != 2 or not 0 <= w[0] < w[1] <= cfg.sde.steps:
             raise ConfigError(f"sde.window must be [start, end) with 0 <= start < end <= {cfg.sde.steps}, got {w}")
     if not 0 <= cfg.optim.ema < 1:
         raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir: {cfg.output_dir!r} is a file, not a directory")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume: checkpoint {cfg.resume!r} does not exist (use auto, none or a checkpoint dir)")

@@ -46,7 +46,7 @@ def test_dotted_overrides_and_types():
 @pytest.mark.parametrize("override, message", [
     ("iteratons=3", "unknown config key 'iteratons'; did you mean 'iterations'?"),
     ("optim.lerning_rate=1", "unknown config key 'optim.lerning_rate'"),
-    ("rollout.group_sise=3", "did you mean 'group_size'?"),
+    ("rollout.group_sise=3", "did you mean 'rollout.group_size'?"),
     ("iterations=many", "iterations: expected int, got 'many'"),
     ("rollout.same_latent=3", "rollout.same_latent: expected true or false"),
     ("sampler=euler", "sampler: 'euler' is not one of"),
@@ -55,6 +55,18 @@ def test_dotted_overrides_and_types():
     ("iterations.x=3", "is a value, not a section"),
     ("iterations", "must look like key=value"),
     ("resume=/no/such/checkpoint", "does not exist"),
+    ("optim=3", "optim: expected a mapping, got 3"),
+    ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), got [0.9]"),
+    ("optim.lr=-1", "optim.lr must be >= 0, got -1.0"),
+    ("optim.clip_range=0", "optim.clip_range must be > 0"),
+    ("rollout.resolution=0", "rollout.resolution must be >= 1, got 0"),
+    ("keep_checkpoints=0", "keep_checkpoints must be >= 1, got 0"),
+    ("reward.batch_size=0", "reward.batch_size must be >= 1"),
+    ("eval.seeds=0", "eval.seeds must be >= 1"),
+    ("eval.batch_size=0", "eval.batch_size must be >= 1"),
+    ("eval.limit=-1", "eval.limit must be >= 0"),
+    ("eval.min_images=-1", "eval.min_images must be >= 0"),
+    (f"output_dir={__file__}", f"output_dir: {__file__!r} is a file, not a directory"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -71,8 +83,16 @@ def test_bad_preset_and_yaml(tmp_path):
         load_config(str(bad))
     typo = tmp_path / "typo.yaml"
     typo.write_text("rollout:\n  grups: 3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'rollout.grups'; did you mean 'groups'"):
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.grups'; did you mean 'rollout.groups'"):
         load_config(str(typo))
+    with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="config file '.*' is a directory"):
+        load_config(str(tmp_path))
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"seed: 1 # caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(str(latin))
 
 
 def test_config_choices_match_the_math_modules():
@@ -121,4 +141,4 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
     assert (printed["credit"], printed["seed"], printed["optim"]["lr"]) == ("flow_grpo", 7, 3e-4)
     assert not out.exists()
     assert main(["--print-config", "optim.lrr=1"]) == 2  # a mistyped key is still an error
-    assert "did you mean 'lr'" in capsys.readouterr().err
+    assert "did you mean 'optim.lr'" in capsys.readouterr().err
