@@ -15,6 +15,7 @@ one: a `.tmp` folder is never read, and `resume=auto` takes the newest folder wi
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
@@ -104,10 +105,21 @@ def load(path: Path, engine, rank: int) -> dict:
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    load_path, _ = engine.load_checkpoint(str(path / "engine"), tag="state")
-    if load_path is None:
-        raise FileNotFoundError(f"{path / 'engine'}: DeepSpeed found no engine state to load")
-    rng_file = path / "rng" / f"rank{rank}.pt"
-    if rng_file.exists():  # resuming on more ranks than saved: the new ranks keep fresh RNG
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / "state.pt", weights_only=False)
+    missing = [name for name in ("engine", "state.pt") if not (path / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{path} is marked complete but has no {' or '.join(missing)}")
+    try:
+        load_path, _ = engine.load_checkpoint(str(path / "engine"), tag="state")
+        if load_path is None:
+            raise FileNotFoundError(f"{path / 'engine'}: DeepSpeed found no engine state to load")
+        rng_file = path / "rng" / f"rank{rank}.pt"
+        if rng_file.exists():  # resuming on more ranks than saved: the new ranks keep fresh RNG
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return torch.load(path / "state.pt", weights_only=False)
+    except (RuntimeError, AssertionError, KeyError, EOFError, pickle.UnpicklingError) as exc:
+        # a truncated file, or weights of another shape: name the checkpoint and the likely cause
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"checkpoint {path} cannot be loaded into this run ({type(exc).__name__}: {first}); a damaged "
+            "file, or a run with other model settings (model.lora, model.lora_rank, model.lora_targets)"
+        ) from exc

@@ -20,20 +20,27 @@ class MetricsLogger:
         self.tb = self.wandb = None
         if not enabled:
             return
+        if wandb:  # before anything is rewritten
+            try:
+                import wandb as wandb_module
+            except ImportError as exc:
+                raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
         if self.path.exists():
-            with self.path.open() as f:
-                self.rows = [r for r in csv.DictReader(f) if int(r["iteration"]) <= resume_from]
-            self.rows = [{k: _num(v) for k, v in r.items()} for r in self.rows]
+            try:
+                with self.path.open(newline="") as f:
+                    rows = [r for r in csv.DictReader(f) if int(r["iteration"]) <= resume_from]
+            except (KeyError, ValueError, TypeError) as exc:  # left as it is: nothing is rewritten
+                raise ValueError(
+                    f"{self.path}: cannot read the metrics logged so far ({type(exc).__name__}: {exc}); "
+                    "repair it, or move it away to start a new log"
+                ) from None
+            self.rows = [{k: _num(v) for k, v in r.items()} for r in rows]
             self._rewrite()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_from + 1)
         if wandb:
-            try:
-                import wandb as wandb_module
-            except ImportError as exc:
-                raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
             self.wandb = wandb_module.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
 
     def log(self, iteration: int, values: dict[str, float]) -> None:

@@ -46,7 +46,7 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
         try:
             transformer.enable_xformers_memory_efficient_attention()
         except Exception as exc:  # not installed, or no CUDA
-            raise RuntimeError(f"model.attention=xformers, but xformers cannot be used here: {exc}") from exc
+            raise ValueError(f"model.attention=xformers, but xformers cannot be used here: {exc}") from exc
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if cfg.lora:

@@ -51,13 +51,20 @@ class Trainer:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        if cfg.resume == "none":
+            held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
+            if held:
+                raise ConfigError(
+                    f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it with "
+                    "resume=auto, or give another output_dir"
+                )
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
-        self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
+        try:  # a reward built without an option it needs raises TypeError: bad input, named
+            self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
+        except TypeError as exc:
+            raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
@@ -66,7 +73,10 @@ class Trainer:
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg)
         if not steps:
-            raise ConfigError(f"sampler {cfg.sampler!r} with sde.window={cfg.sde.window} trains no step")
+            raise ConfigError(
+                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "
+                f"sde.min_std={cfg.sde.min_std} trains no step (every step is an ODE step or has a smaller std)"
+            )
         backward_calls = len(steps) * len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
         if backward_calls % cfg.optim.updates_per_iteration:
             raise ConfigError(
@@ -80,8 +90,12 @@ class Trainer:
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
         self.start, self.evals = 1, {}
         self.resume()
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(self.out, self.main, cfg.log.tensorboard, cfg.log.wandb,
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1)  # fmt: skip
+        if self.main:  # written once the run is set up: a run that fails to start leaves the old one
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     # ---------------------------------------------------------------------------------------------
     def _strata(self) -> list[str] | None:
@@ -192,7 +206,11 @@ class Trainer:
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
         metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
-        return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), rewards.load(cfg.eval.reward)
+        try:
+            reward = rewards.load(cfg.eval.reward)
+        except TypeError as exc:
+            raise ConfigError(f"eval.reward: {exc}") from exc
+        return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an

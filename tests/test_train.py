@@ -304,6 +304,65 @@ def test_wandb_without_the_package_is_a_clear_error(model_dir, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def copy_run(baseline, tmp_path) -> tuple[Path, Path, dict[Path, bytes]]:
+    """A copy of the baseline run, its config, and the bytes of every file in it (to check that a
+    failed start changes none)."""
+    config, base_out = baseline
+    out = tmp_path / "run"
+    shutil.copytree(base_out, out)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(out)
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    return write_config(tmp_path / "cfg.yaml", cfg), out, files
+
+
+def assert_unchanged(out: Path, files: dict[Path, bytes]) -> None:
+    now = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert now.keys() == files.keys() and all(now[p] == files[p] for p in files)
+
+
+def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
+    config, out, files = copy_run(baseline, tmp_path)
+    proc = train(config, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"output_dir {out} already holds a run (metrics.csv, checkpoints): continue it with resume=auto" in proc.stderr
+    assert_unchanged(out, files)
+
+
+@pytest.mark.parametrize("damage, overrides, message", [
+    ("engine", [], "is marked complete but has no engine"),
+    ("truncate", [], "cannot be loaded into this run (RuntimeError"),
+    (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
+    ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
+])  # fmt: skip
+def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, tmp_path, damage, overrides, message):
+    config, out, _ = copy_run(baseline, tmp_path)
+    newest = out / "checkpoints" / "checkpoint-000004"
+    if damage == "engine":
+        shutil.rmtree(newest / "engine")
+    elif damage == "truncate":
+        (newest / "state.pt").write_bytes((newest / "state.pt").read_bytes()[:100])
+    elif damage == "metrics":
+        (out / "metrics.csv").write_text("garbage,header\n1,2\n")
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    proc = train(config, "resume=auto", "iterations=6", *overrides, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert_unchanged(out, files)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
+    (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 trains no step"),
+])  # fmt: skip
+def test_settings_that_cannot_run_are_named_at_start(model_dir, tmp_path, overrides, message):
+    config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
+    proc = train(config, *overrides, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n{"prompt": "a photo of a square"}\n')

@@ -90,6 +90,18 @@ def _is_factory(fn) -> bool:
                    for p in params)  # fmt: skip
 
 
+def _check_options(name: str, build, options: dict) -> None:
+    """A ValueError naming the reward and the options that its class or factory does not take."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # nothing to check against
+        return
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
+
+
 def load(name: str, **options) -> Reward:
     """The reward registered as `name` (or at import path "module:attr"), built with `options`."""
     if name in REGISTRY:
@@ -102,6 +114,8 @@ def load(name: str, **options) -> Reward:
             "a custom reward is given as 'package.module:attribute'"
         )
     obj = _import(target) if isinstance(target, str) else target
+    if callable(obj) and (options or isinstance(obj, type)):
+        _check_options(name, obj, options)
     if isinstance(obj, type):
         return obj(**options)
     if not callable(obj):
