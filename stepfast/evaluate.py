@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from collections import Counter
@@ -31,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
-from stepfast.models import EMBEDDED_MODEL, load_lora, load_pipeline, text_length
+from stepfast.models import EMBEDDED_MODEL, check_device, load_lora, load_pipeline, lora_weights_file, text_length
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -305,6 +307,28 @@ def _prompt_rows(samples: list[dict]) -> list[list[int]]:
     return rows
 
 
+REPORT_FILES = ("results.json", "results.md", "samples.png")
+
+
+def check_out_dir(out: Path) -> None:
+    """A ValueError naming `out` when `write_report` could not write there: `out` must be a
+    directory or not exist yet (then its nearest existing parent must be a writable directory),
+    and none of the report files in it may be a directory. Checked before any sampling."""
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"{out} is a file, not a directory (it would receive {', '.join(REPORT_FILES)})")
+        for name in REPORT_FILES:
+            if (out / name).is_dir():
+                raise ValueError(f"{out / name} is a directory: the report file cannot be written there")
+        existing = out
+    else:
+        existing = next(p for p in out.absolute().parents if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"cannot create {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write in {existing}: permission denied")
+
+
 def write_report(result: dict, out: Path, columns: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     serialisable = {k: v for k, v in result.items() if k != "images"}
@@ -334,11 +358,30 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--seeds, --steps, --batch-size and --limit must be positive")
     if args.min_images < 0:
         parser.error("--min-images must be >= 0")
+    if args.size is not None and args.size < 1:
+        parser.error(f"--size must be positive, got {args.size}")
+    if not math.isfinite(args.cfg):
+        parser.error(f"--cfg must be a finite number, got {args.cfg}")
+    # Checked before the model is loaded and the images drawn, which can take minutes.
+    try:
+        device = check_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--device: {exc}")
+    out = Path(args.out)
+    try:
+        check_out_dir(out)
+    except ValueError as exc:
+        parser.error(f"--out: {exc}")
 
     metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
-    pipe = load_pipeline(args.model, device=args.device)
+    if args.lora:
+        lora_weights_file(args.lora)  # FileNotFoundError / ValueError naming it, before the model loads
+    pipe = load_pipeline(args.model, device=device)
     if args.lora:
         load_lora(pipe, args.lora)
+    multiple = pipe.vae_scale_factor * pipe.patch_size
+    if args.size is not None and args.size % multiple:
+        parser.error(f"--size must be a multiple of {multiple} for this model, got {args.size}")
     result = evaluate(
         pipe, metadata, args.seeds, args.steps, args.cfg, min_images=args.min_images, batch_size=args.batch_size,
         size=args.size, keep_images=True,
@@ -350,7 +393,6 @@ def main(argv: list[str] | None = None) -> dict:
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )
-    out = Path(args.out)
     write_report(result, out, columns=args.seeds)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'samples.png'}")
     return result

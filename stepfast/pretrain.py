@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.models import EMBEDDED_MODEL, check_pipeline_dir, text_length
+from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
 
@@ -276,6 +276,46 @@ def check_vocabulary(pipe, metadata: list[dict]) -> None:
                 )
 
 
+#: What `save_pipeline` writes in a pipeline directory (an interrupted one holds some of these).
+PIPELINE_ENTRIES = frozenset(
+    ["model_index.json", "scheduler", "transformer", "vae"]
+    + [f"{kind}{n}" for kind in ("text_encoder", "tokenizer") for n in ("", "_2", "_3")]
+)
+
+
+def check_replaceable(path: Path, partial_ok: bool = False) -> None:
+    """A ValueError naming `path` unless `write_pipeline` may replace it, deleting what it holds:
+    it does not exist, or it is an empty directory or a pipeline directory (model_index.json); with
+    partial_ok (the .tmp/.old folders an interrupted write leaves) also one holding only pipeline parts."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file, not a pipeline directory")
+    entries = {p.name for p in path.iterdir()}
+    if not entries or "model_index.json" in entries or (partial_ok and entries <= PIPELINE_ENTRIES):
+        return
+    shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+    raise ValueError(
+        f"{path} exists and is not a diffusers pipeline directory (no model_index.json; it holds {shown}): "
+        "writing the pipeline would delete its files; choose a new or empty directory"
+    )
+
+
+def check_out(out: Path, snapshots: bool) -> None:
+    """Before any training: a ValueError naming the path when the pipeline could not be written
+    to `out` (or its snapshots to OUT-snapshots/step-N) without deleting what is not a pipeline."""
+    existing = next(p for p in out.parents if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot create {out}: {existing} is a file, not a directory")
+    check_replaceable(out)
+    for suffix in (".tmp", ".old"):  # write_pipeline's working names next to `out`
+        check_replaceable(out.with_name(out.name + suffix), partial_ok=True)
+    if snapshots:
+        folder = out.with_name(out.name + "-snapshots")
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} (where --snapshot-every writes step-N pipelines) is a file, not a directory")
+
+
 def write_pipeline(pipe, out: Path) -> None:
     """Save in fp16 next to `out`, then swap it in: `out` is replaced only by a complete pipeline."""
     tmp = out.with_name(out.name + ".tmp")
@@ -318,6 +358,21 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if min(cfg.steps, cfg.vae_steps, cfg.batch_size, cfg.pool_size) < 1:
         parser.error("--steps, --vae-steps, --batch-size and --pool-size must be positive")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.snapshot_every < 0:
+        parser.error(f"--snapshot-every must be >= 0 (0 = no snapshots), got {args.snapshot_every}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    try:
+        device = check_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--device: {exc}")
+    out = Path(args.out).resolve()
+    try:
+        check_out(out, snapshots=cfg.snapshot_every > 0)
+    except ValueError as exc:
+        parser.error(f"--out: {exc}")
     if args.vae:  # checked before the minutes of setup, and never looked up on a hub
         try:
             vae_dir = check_pipeline_dir(args.vae) / "vae"
@@ -325,8 +380,6 @@ def main(argv: list[str] | None = None) -> Path:
             parser.error(f"--vae: {exc}")
         if not (vae_dir / "config.json").is_file():
             parser.error(f"--vae: {vae_dir} holds no config.json (expected a pipeline written by this command)")
-    device = torch.device(args.device)
-    out = Path(args.out).resolve()
 
     if device.type == "cpu":
         torch.set_num_threads(args.threads)

@@ -194,3 +194,78 @@ def test_evaluation_command_names_bad_input_without_a_traceback(tmp_path, args, 
     assert proc.returncode == 2
     assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def run_evaluate(*args):
+    cmd = [sys.executable, "-m", "stepfast.evaluate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("{tmp}/results", "--out: {tmp}/results is a file, not a directory"),
+    ("{tmp}/results/eval", "--out: cannot create {tmp}/results/eval: {tmp}/results is a file"),
+])  # fmt: skip
+def test_evaluation_command_checks_out_before_sampling(tmp_path, out, message):
+    (tmp_path / "results").write_text("earlier results\n")
+    # --size 60 is refused only once the model is loaded: reaching it shows --out was checked before
+    proc = run_evaluate("--out", out.format(tmp=tmp_path), "--limit", "1", "--seeds", "1", "--min-images", "0",
+                        "--steps", "1", "--size", "60")  # fmt: skip
+    assert proc.returncode == 2
+    assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+    assert (tmp_path / "results").read_text() == "earlier results\n"
+
+
+def not_lora(kind, tmp_path, model):
+    """A path given as --lora that holds no LoRA weights."""
+    if kind == "text file":
+        path = tmp_path / "notes.txt"
+        path.write_text("not weights")
+    elif kind == "text file named .safetensors":
+        path = tmp_path / "lora.safetensors"
+        path.write_text("not weights")
+    elif kind == "empty directory":
+        path = tmp_path / "lora"
+        path.mkdir()
+    else:  # a model's weights: a directory holding one .safetensors file, of no LoRA
+        path = model / "transformer"
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("text file", "LoRA weights {path} are not a .safetensors file: expected a directory holding "
+                  "pytorch_lora_weights.safetensors, or that .safetensors file"),
+    ("text file named .safetensors", "LoRA weights {path} are not a readable .safetensors file"),
+    ("empty directory", "LoRA directory {path} holds no .safetensors files"),
+    ("transformer weights", "{path}/diffusion_pytorch_model.safetensors holds no LoRA weights"),
+])  # fmt: skip
+def test_load_lora_names_what_is_not_lora_weights(tiny, tmp_path, kind, message):
+    model, pipe = tiny
+    path = not_lora(kind, tmp_path, model)
+    with pytest.raises(ValueError) as info:
+        load_lora(pipe, path)
+    assert message.format(path=path) in str(info.value)
+    # the command checks it before loading the model (the missing model is never reached)
+    out = tmp_path / "out"
+    proc = run_evaluate("--lora", str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message.format(path=path) in proc.stderr and "no_model" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "bogus"], "--device: 'bogus' is not a torch device"),
+    (["--size", "0"], "--size must be positive, got 0"),
+    (["--size", "-64"], "--size must be positive, got -64"),
+    (["--cfg", "nan"], "--cfg must be a finite number, got nan"),
+    (["--cfg", "inf"], "--cfg must be a finite number, got inf"),
+    (["--size", "60"], "--size must be a multiple of"),  # checked once the model is loaded
+    pytest.param(["--device", "cuda"], "--device: 'cuda': cuda is not available on this machine",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])  # fmt: skip
+def test_evaluation_command_names_a_bad_option_without_a_traceback(tmp_path, args, message):
+    proc = run_evaluate(*args, "--out", str(tmp_path / "out"), "--limit", "1", "--seeds", "1", "--min-images", "0",
+                        "--steps", "1")  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -54,3 +54,67 @@ def test_pretrain_names_a_bad_vae_directory_before_any_work(tmp_path, vae, messa
     assert proc.returncode == 2
     assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def run_pretrain(*args):
+    cmd = [sys.executable, "-m", "stepfast.pretrain", *args, *TINY]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--device", "bogus"], "--device: 'bogus' is not a torch device"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--snapshot-every", "-2"], "--snapshot-every must be >= 0"),
+    pytest.param(["--device", "cuda"], "--device: 'cuda': cuda is not available on this machine",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])  # fmt: skip
+def test_pretrain_names_a_bad_option_before_any_work(tmp_path, args, message):
+    out = tmp_path / "out"
+    proc = run_pretrain(*args, "--out", str(out))
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pretrain_refuses_to_replace_a_directory_that_is_not_a_pipeline(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("my notes\n")
+    proc = run_pretrain("--out", str(notes))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--out: {notes} exists and is not a diffusers pipeline directory" in proc.stderr
+    assert [p.name for p in notes.iterdir()] == ["notes.txt"] and (notes / "notes.txt").read_text() == "my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no .tmp/.old written next to it
+
+
+@pytest.mark.parametrize("out, extra, message", [
+    ("{tmp}/file", [], "--out: {tmp}/file is a file, not a pipeline directory"),
+    ("{tmp}/file/model", [], "--out: cannot create {tmp}/file/model: {tmp}/file is a file"),
+    ("{tmp}/m", ["--snapshot-every", "1"], "--out: {tmp}/m-snapshots (where --snapshot-every writes"),
+    ("{tmp}/notes", [], "--out: {tmp}/notes.tmp exists and is not a diffusers pipeline directory"),
+])  # fmt: skip
+def test_pretrain_names_an_out_path_it_cannot_write_before_any_work(tmp_path, out, extra, message):
+    (tmp_path / "file").write_text("keep\n")
+    (tmp_path / "m-snapshots").write_text("keep\n")
+    (tmp_path / "notes.tmp").mkdir()  # write_pipeline's working folder: it would be deleted
+    (tmp_path / "notes.tmp" / "notes.txt").write_text("keep\n")
+    before = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = run_pretrain("--out", out.format(tmp=tmp_path), *extra)
+    assert proc.returncode == 2
+    assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+    assert {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "m-snapshots", "notes.tmp"]
+
+
+def test_pretrain_may_replace_an_empty_directory_a_pipeline_or_an_interrupted_write(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    (tmp_path / "pipe.tmp" / "transformer").mkdir(parents=True)  # save_pretrained cut short
+    (tmp_path / "pipe-snapshots" / "step-1").mkdir(parents=True)
+    for name in ("empty", "pipe", "new"):
+        pretrain.check_out(tmp_path / name, snapshots=True)  # no error
+    (tmp_path / "pipe.tmp" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="pipe.tmp exists and is not a diffusers pipeline directory"):
+        pretrain.check_out(tmp_path / "pipe", snapshots=False)

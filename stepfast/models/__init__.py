@@ -90,28 +90,72 @@ def text_length(pipe) -> int:
     return int(min(limit, _DIFFUSERS_DEFAULT_TEXT_LENGTH))
 
 
-def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
-    """Load LoRA weights in diffusers format (`save_lora_weights`: a directory holding
-    pytorch_lora_weights.safetensors, or that .safetensors file) onto `pipe`; returns `pipe`."""
+def check_device(name: str) -> torch.device:
+    """`name` as a torch.device when this machine can run on it; a ValueError naming it otherwise
+    (an unknown device string, CUDA on a machine without it, a CUDA index past the last GPU)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name!r} is not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    backends = {"cuda": torch.cuda, "mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}
+    backend = backends.get(device.type)
+    if backend is None:
+        raise ValueError(f"{name!r}: device type {device.type!r} is not supported (expected cpu, cuda or cuda:N)")
+    if not backend.is_available():
+        built = " (this torch was built without CUDA)" if device.type == "cuda" and torch.version.cuda is None else ""
+        raise ValueError(f"{name!r}: {device.type} is not available on this machine{built}; use cpu")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{name!r}: this machine has {count} {device.type} device(s) (indices 0-{count - 1})")
+    return device
+
+
+def lora_weights_file(path: str | Path) -> Path:
+    """The .safetensors file of the LoRA weights at `path` (a directory written by
+    `save_lora_weights`, or the file itself), checked by reading its header only (no weights):
+    FileNotFoundError when `path` does not exist, ValueError naming it when it holds no LoRA."""
     path = Path(path)
+    expected = ("expected a directory holding pytorch_lora_weights.safetensors, or that .safetensors file "
+                "(StableDiffusion3Pipeline.save_lora_weights)")  # fmt: skip
     if not path.exists():
         raise FileNotFoundError(f"LoRA weights {path} do not exist")
     if path.is_dir():
         files = sorted(p.name for p in path.glob("*.safetensors"))
         if "pytorch_lora_weights.safetensors" in files:
-            weight_name = "pytorch_lora_weights.safetensors"
+            file = path / "pytorch_lora_weights.safetensors"
         elif len(files) == 1:
-            weight_name = files[0]
+            file = path / files[0]
         else:
-            raise ValueError(
-                f"LoRA directory {path} holds {files or 'no .safetensors files'}: expected "
-                "pytorch_lora_weights.safetensors (StableDiffusion3Pipeline.save_lora_weights)"
-            )
-        directory = path
+            raise ValueError(f"LoRA directory {path} holds {files or 'no .safetensors files'}: {expected}")
+    elif path.suffix != ".safetensors":
+        raise ValueError(f"LoRA weights {path} are not a .safetensors file: {expected}")
     else:
-        directory, weight_name = path.parent, path.name
+        file = path
+    if not file.is_file():
+        raise ValueError(f"LoRA weights {file} are not a file: {expected}")
+    from safetensors import SafetensorError, safe_open
+
     try:
-        pipe.load_lora_weights(str(directory), weight_name=weight_name, adapter_name=adapter_name)
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise ValueError(f"cannot load LoRA weights {directory / weight_name} onto {type(pipe).__name__}: {exc}") from exc
+        with safe_open(str(file), framework="pt") as handle:
+            keys = list(handle.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"LoRA weights {file} are not a readable .safetensors file ({exc}): {expected}") from None
+    if not any("lora" in key for key in keys):
+        shown = f"{len(keys)} tensors such as {keys[0]!r}" if keys else "no tensors"
+        raise ValueError(f"{file} holds no LoRA weights ({shown}, none named '*lora*'): {expected}")
+    return file
+
+
+def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
+    """Load LoRA weights in diffusers format (`save_lora_weights`: a directory holding
+    pytorch_lora_weights.safetensors, or that .safetensors file) onto `pipe`; returns `pipe`.
+    FileNotFoundError when `path` does not exist, ValueError naming it when it is not such weights
+    (see `lora_weights_file`, which checks that without a pipeline) or they do not fit `pipe`."""
+    file = lora_weights_file(path)
+    try:
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     return pipe
