@@ -136,3 +136,155 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
             lines += [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
     (report / "summary.md").write_text("\n".join(lines))
     return report
+
+
+# -- python -m stepfast.report RUN_DIR: rebuild the report folder of a finished run ----------------
+
+
+class RunFolderError(ValueError):
+    """A run folder that the report cannot be rebuilt from; the message says what is missing or wrong."""
+
+
+def _number(text: str | None, where: str):
+    """A metrics.csv cell: "" (not logged that iteration) or an int or a float."""
+    if text is None or text == "":
+        return ""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise RunFolderError(f"{where}: {text!r} is not a number")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a run's metrics.csv, as the trainer logged them (numbers; "" where not logged)."""
+    import csv
+
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            if fields and ("iteration" not in fields or "reward" not in fields):
+                raise RunFolderError(f"{path}: the header has no 'iteration' or no 'reward' column: {fields[:6]}")
+            rows = []
+            for row in reader:
+                line = reader.line_num
+                values = {k: _number(v, f"{path} line {line}, column {k!r}") for k, v in row.items() if k is not None}
+                if not isinstance(values["iteration"], int):
+                    raise RunFolderError(f"{path} line {line}: iteration {row['iteration']!r} is not an integer")
+                rows.append(values)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise RunFolderError(f"cannot read {path}: {exc}") from exc
+    return rows
+
+
+def _is_evaluation(result) -> bool:
+    """True for {"overall": row, "categories": {name: row}}, each row with numbers strict, score, n."""
+
+    def is_row(row) -> bool:
+        return isinstance(row, dict) and all(isinstance(row.get(k), (int, float)) for k in ("strict", "score", "n"))
+
+    return (isinstance(result, dict) and is_row(result.get("overall"))
+            and isinstance(result.get("categories"), dict) and all(map(is_row, result["categories"].values())))
+
+
+def read_evals(run_dir: Path) -> dict:
+    """{tag: {"overall", "categories"}} of the run's eval_before/iterNNNNNN/after.json, in that order."""
+    import json
+    import re
+
+    found = {}
+    for path in run_dir.glob("eval_*.json"):
+        tag = path.name[len("eval_"):-len(".json")]
+        if tag not in ("before", "after") and not re.fullmatch(r"iter\d+", tag):
+            continue  # not written by the trainer
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RunFolderError(f"cannot read {path}: {exc}") from exc
+        if not _is_evaluation(result):
+            raise RunFolderError(f"{path}: not an evaluation result (needs \"overall\" and \"categories\" "
+                                 "with strict, score and n)")  # fmt: skip
+        found[tag] = {"overall": result["overall"], "categories": result["categories"]}
+
+    def order(tag):
+        return (0, 0) if tag == "before" else (2, 0) if tag == "after" else (1, int(tag[4:]))
+
+    return {tag: found[tag] for tag in sorted(found, key=order)}
+
+
+def read_config(path: Path):
+    from stepfast.config import ConfigError, load_config
+
+    if not path.is_file():
+        raise RunFolderError(f"{path} is missing (the trainer writes it when a run starts)")
+    try:
+        return load_config(str(path))
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        message = str(exc)
+        raise RunFolderError(message if str(path) in message else f"{path}: {message}") from exc
+
+
+def rebuild_report(run_dir) -> Path:
+    """Rewrite RUN_DIR/report from the files of the run: metrics.csv, config.yaml, eval_*.json. The
+    sample grids are not rebuilt (the images are not kept): those already in the report are kept,
+    and linked. Written to a temporary folder first, so a failure leaves the old report whole."""
+    import os
+    import shutil
+    import tempfile
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunFolderError(f"no run folder {run_dir}")
+    metrics = run_dir / "metrics.csv"
+    if not metrics.is_file():
+        raise RunFolderError(f"{run_dir} has no metrics.csv: not a run folder (one holds metrics.csv, "
+                             "config.yaml and eval_*.json)")  # fmt: skip
+    rows, cfg, evals = read_metrics(metrics), read_config(run_dir / "config.yaml"), read_evals(run_dir)
+    report = run_dir / "report"
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=run_dir))
+    except OSError as exc:
+        raise RunFolderError(f"cannot write in {run_dir}: {exc}") from exc
+    try:
+        fresh = write_report(tmp, rows, evals, None, None, cfg)
+        lines = []
+        for tag in ("before", "after"):  # as write_report links them
+            if (report / f"samples_{tag}.png").is_file():
+                lines += [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
+        if lines:
+            summary = fresh / "summary.md"
+            summary.write_text(summary.read_text() + "\n" + "\n".join(lines))
+        report.mkdir(exist_ok=True)
+        for path in fresh.iterdir():
+            os.replace(path, report / path.name)
+    except OSError as exc:
+        raise RunFolderError(f"cannot write {report}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m stepfast.report",
+        description="Rebuild the report folder of a run (the trainer writes it at the end of a run) from "
+        "the run's metrics.csv, config.yaml and eval_*.json; the sample grids already there are kept.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
+    args = parser.parse_args(argv)
+    try:
+        report = rebuild_report(args.run_dir)
+    except RunFolderError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    print(f"wrote {report / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

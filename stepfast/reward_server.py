@@ -26,19 +26,25 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import errno
 import io
 import json
+import math
 import os
 import queue
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _DRAIN_LIMIT = 1 << 30  # a body this much over the limit is not read at all (connection dropped)
 
@@ -169,6 +175,8 @@ class Batcher:
                 job.future.set_result(results[id(job)])
 
     def _score_reward(self, name: str, members: list[ScoreJob]) -> dict[str, torch.Tensor]:
+        import torch  # imported here, so that a command line with bad arguments fails fast
+
         from stepfast.rewards.combine import check_scores
 
         images = np.concatenate([job.images for job in members])
@@ -194,17 +202,19 @@ class RewardServer(ThreadingHTTPServer):
 
     def __init__(self, rewards: dict, host: str = "127.0.0.1", port: int = 8600,
                  max_request_bytes: int = 256 << 20, batch_size: int = 64, batch_window_s: float = 0.005,
-                 verbose: bool = False):
+                 verbose: bool = False, bind_and_activate: bool = True):
         self.rewards = rewards
         self.max_request_bytes = int(max_request_bytes)
         self.verbose = verbose
+        if ":" in host:  # an IPv6 address such as ::1
+            self.address_family = socket.AF_INET6
         self.batcher = Batcher(rewards, batch_size, batch_window_s)
-        super().__init__((host, port), ScoreHandler)
+        super().__init__((host, port), ScoreHandler, bind_and_activate)  # a failed bind calls server_close()
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def server_close(self) -> None:
         super().server_close()
@@ -277,24 +287,56 @@ class ScoreHandler(BaseHTTPRequestHandler):
 
 
 def load_rewards(names: list[str], options: dict) -> dict:
-    from stepfast import rewards as registry
-
+    """{name: reward} for `names`, each built with its `options`; ValueError naming the reward, and
+    the flag (--rewards or --reward-options) that asks for it, when one cannot be loaded."""
     unknown = sorted(set(options) - set(names))
     if unknown:
         raise ValueError(f"--reward-options names {unknown}, which are not in --rewards {names}")
-    return {name: registry.load(name, **options.get(name, {})) for name in names}
+    from stepfast import rewards as registry
+
+    loaded = {}
+    for name in names:
+        opts = options.get(name, {})
+        try:
+            loaded[name] = registry.load(name, **opts)
+        except Exception as exc:  # any failure to build a reward is a bad --rewards / --reward-options
+            kind = "" if isinstance(exc, (ValueError, TypeError, ImportError, OSError)) else f"{type(exc).__name__}: "
+            why = " ".join(f"{kind}{exc}".split())  # one line
+            if opts:
+                raise ValueError(f"--reward-options: cannot load reward {name!r} with options "
+                                 f"{json.dumps(opts)}: {why}") from exc  # fmt: skip
+            raise ValueError(f"--rewards: cannot load reward {name!r}: {why}") from exc
+    return loaded
 
 
 def _reward_options(text: str) -> dict:
+    """The --reward-options JSON (or @file holding it); ValueError saying what is wrong."""
+    source = "--reward-options"
     if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
+        path = text[1:]
+        if not path:
+            raise ValueError("--reward-options @FILE needs a file name after '@'")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"--reward-options: cannot read {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--reward-options: {path} is not UTF-8 text: {exc}") from exc
+        source = f"--reward-options file {path}"
     try:
         options = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--reward-options is not JSON ({exc}): {text[:200]}")
-    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-        raise SystemExit('--reward-options must be a JSON object {"reward name": {"option": value}}')
+        shown = " ".join(text.split())
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise ValueError(f"{source} is not JSON ({exc}): {shown}") from exc
+    if not isinstance(options, dict):
+        raise ValueError(f'{source} must be a JSON object {{"reward name": {{"option": value}}}}, '
+                         f"got a JSON {type(options).__name__}")  # fmt: skip
+    for name, value in options.items():
+        if not isinstance(value, dict):
+            raise ValueError(f'{source}: the options of {name!r} must be a JSON object {{"option": value}}, '
+                             f"got {json.dumps(value)[:100]}")  # fmt: skip
     return options
 
 
@@ -310,13 +352,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
 
-    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    def fail(message: str) -> None:  # parser.error without the usage: for failures past the arguments
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    # every argument is checked before any reward loads (a model can take minutes to load)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0-65535 (0: any free port), got {args.port}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
+        parser.error(f"--batch-window-ms must be a number >= 0, got {args.batch_window_ms:g}")
+    if not (math.isfinite(args.max_request_mb) and args.max_request_mb > 0):
+        parser.error(f"--max-request-mb must be a number > 0, got {args.max_request_mb:g}")
+    names = list(dict.fromkeys(n.strip() for n in args.rewards.split(",") if n.strip()))
+    if not names:
+        parser.error(f"--rewards names no reward (got {args.rewards!r}); give comma-separated reward names, "
+                     "e.g. --rewards shapes,pickscore")  # fmt: skip
     try:
-        rewards = load_rewards(names, _reward_options(args.reward_options))
-    except (ValueError, TypeError, ImportError, OSError) as exc:
-        raise SystemExit(f"reward server: cannot load rewards {names}: {exc}") from exc
-    server = RewardServer(rewards, args.host, args.port, int(args.max_request_mb * (1 << 20)),
-                          args.batch_size, args.batch_window_ms / 1000, args.verbose)
+        options = _reward_options(args.reward_options)
+    except ValueError as exc:
+        parser.error(str(exc))
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        parser.error(f"--reward-options names {unknown}, which are not in --rewards {names}")
+    # Bind first, so that a taken port or an unknown host fails before any model loads, and listen
+    # once the rewards are loaded (until then clients are refused, and retry). The server and its
+    # batcher share `rewards`, filled in place.
+    rewards: dict = {}
+    max_bytes = max(int(args.max_request_mb * (1 << 20)), 1)
+    server = RewardServer(rewards, args.host, args.port, max_bytes, args.batch_size, args.batch_window_ms / 1000,
+                          args.verbose, bind_and_activate=False)  # fmt: skip
+    try:
+        try:
+            server.server_bind()
+        except (OSError, OverflowError) as exc:  # socket.gaierror (unknown host) is an OSError
+            hint = "; is another server on it? pick another --port (0: any free port)" if (
+                getattr(exc, "errno", None) == errno.EADDRINUSE) else ""  # fmt: skip
+            fail(f"cannot listen on {args.host}:{args.port} (--host/--port): "
+                 f"{getattr(exc, 'strerror', None) or exc}{hint}")  # fmt: skip
+        try:
+            rewards.update(load_rewards(names, options))
+        except ValueError as exc:
+            fail(str(exc))
+        try:
+            server.server_activate()
+        except OSError as exc:
+            fail(f"cannot listen on {args.host}:{args.port} (--host/--port): {exc.strerror or exc}")
+    except BaseException:
+        server.server_close()
+        raise
     print(f"stepfast reward server: {', '.join(names)} on {server.url} (pid {os.getpid()})", flush=True)
     try:
         server.serve_forever()

@@ -5,6 +5,7 @@ fails with RewardServerError naming the server. Every server here is started by 
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -287,3 +288,73 @@ def test_command_line_server(tmp_path, local, scenes):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# -- the command line: bad arguments are one-line errors with exit code 2 -------------------------
+
+PROG = "python -m stepfast.reward_server: error: "
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stepfast.reward_server", *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def assert_cli_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, no traceback, the server never started, and a last stderr line that is the
+    error and holds every fragment; returns that line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert " on http://" not in proc.stdout, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith(PROG), proc.stderr
+    assert sum("error:" in line for line in lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    return lines[-1]
+
+
+BAD_ARGUMENTS = [
+    (["--reward-options", "{bad"], ["--reward-options", "is not JSON", "{bad"]),
+    (["--reward-options", "[]"], ["--reward-options", "must be a JSON object", "list"]),
+    (["--reward-options", '{"shapes": 3}'], ["--reward-options", "options of 'shapes'", "got 3"]),
+    (["--reward-options", '{"shapes": {"no_such_option": 1}}'], ["--reward-options", "'shapes'", "no_such_option"]),
+    (["--reward-options", '{"pickscore": {}}'], ["--reward-options", "pickscore", "not in --rewards"]),
+    (["--port", "-1"], ["--port", "0-65535", "-1"]),
+    (["--port", "70000"], ["--port", "0-65535", "70000"]),
+    (["--batch-size", "0"], ["--batch-size", ">= 1", "got 0"]),
+    (["--batch-window-ms", "-1"], ["--batch-window-ms", ">= 0"]),
+    (["--max-request-mb", "-1"], ["--max-request-mb", "> 0", "-1"]),
+    (["--max-request-mb", "0"], ["--max-request-mb", "> 0"]),
+    (["--host", "no.such.host.invalid", "--port", "0"], ["cannot listen on no.such.host.invalid:0", "--host"]),
+]
+
+
+@pytest.mark.parametrize("args, fragments", BAD_ARGUMENTS, ids=[" ".join(args) for args, _ in BAD_ARGUMENTS])
+def test_command_line_rejects_bad_arguments(args, fragments):
+    assert_cli_error(run_cli("--rewards", "shapes", *args), *fragments)
+
+
+@pytest.mark.parametrize("names, fragments", [
+    ("", ["--rewards", "names no reward"]),
+    (" , ,", ["--rewards", "names no reward"]),
+    ("shapes,nosuch", ["--rewards", "unknown reward 'nosuch'"]),
+])
+def test_command_line_rejects_bad_reward_names(names, fragments):
+    assert_cli_error(run_cli("--rewards", names, "--port", "0"), *fragments)
+
+
+def test_command_line_names_a_missing_options_file(tmp_path):
+    missing = tmp_path / "missing.json"
+    assert_cli_error(run_cli("--rewards", "shapes", "--reward-options", f"@{missing}"),
+                     "--reward-options", "cannot read", str(missing), "No such file")  # fmt: skip
+
+
+def test_command_line_port_in_use_is_an_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("--rewards", "shapes", "--port", str(port))
+    assert_cli_error(proc, f"cannot listen on 127.0.0.1:{port}", "Address already in use", "--port")
+

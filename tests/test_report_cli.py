@@ -1,0 +1,121 @@
+"""python -m stepfast.report RUN_DIR: rebuilds a run's report folder from the files the run keeps
+(metrics.csv, config.yaml, eval_*.json), keeps the sample grids already there, and rejects a folder
+it cannot use with a one-line error and exit code 2, leaving the old report whole. No training: each
+run folder is written here by hand."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from stepfast.config import load_config
+from stepfast.report import write_report
+
+PROG = "python -m stepfast.report: error: "
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stepfast.report", *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def assert_cli_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(PROG), proc.stderr
+    for fragment in fragments:
+        assert fragment in last, (fragment, last)
+
+
+def evaluation(rng) -> dict:
+    categories = {c: {"strict": float(rng.random()), "score": float(rng.random()), "n": 4}
+                  for c in ("colors", "counting")}  # fmt: skip
+    overall = {k: float(np.mean([c[k] for c in categories.values()])) for k in ("strict", "score")}
+    return {"categories": categories, "overall": {**overall, "n": 8}, "samples": [], "settings": {"seeds": [0]}}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run folder as the trainer leaves it: 6 iterations, evaluations before, at 3 and after, and a
+    report whose sample grid before training is the only thing rebuilding cannot redo."""
+    rng = np.random.default_rng(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    config = {"iterations": 6, "credit": "flow_grpo", "output_dir": "elsewhere"}  # the folder may have moved
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = [{"iteration": it, "reward": float(rng.random()), "gain/0": float(rng.random()),
+             "gain/1": float(rng.random()), "time/rollout": 1.5, "time/iteration": 2.5}
+            for it in range(1, 7)]  # fmt: skip
+    rows[2]["eval/strict"] = 0.5  # a column logged in one iteration only: "" in the others
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: r.get(k, "") for k in fields} for r in rows)
+    evals = {tag: evaluation(rng) for tag in ("before", "iter000003", "after")}
+    for tag, result in evals.items():
+        (run / f"eval_{tag}.json").write_text(json.dumps(result))
+    (run / "report").mkdir()
+    Image.new("RGB", (8, 4), (200, 10, 10)).save(run / "report" / "samples_before.png")
+    (run / "report" / "summary.md").write_text("old summary\n")
+    rows = [{k: r.get(k, "") for k in fields} for r in rows]
+    return run, rows, {t: {k: e[k] for k in ("overall", "categories")} for t, e in evals.items()}
+
+
+def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
+    run, rows, evals = run
+    grid = (run / "report" / "samples_before.png").read_bytes()
+    proc = run_cli(str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    report = run / "report"
+    # what write_report makes of the same data, held in memory as the trainer holds it
+    expected = write_report(tmp_path / "expected", rows, evals, None, None, load_config(str(run / "config.yaml")))
+    summary = (report / "summary.md").read_text()
+    assert summary.startswith((expected / "summary.md").read_text())
+    assert "flow_grpo credit" in summary and "Iterations: 6" in summary
+    assert "![before](samples_before.png)" in summary and "samples_after" not in summary
+    assert (report / "samples_before.png").read_bytes() == grid
+    for figure in ("reward_curve.png", "gain_heatmap.png", "eval_curve.png"):
+        assert (report / figure).stat().st_size > 0, figure
+    assert sorted(p.name for p in run.iterdir()) == sorted(  # no temporary folder left behind
+        ["config.yaml", "metrics.csv", "eval_before.json", "eval_iter000003.json", "eval_after.json", "report"])
+
+
+def test_needs_a_run_folder():
+    assert_cli_error(run_cli(), "RUN_DIR")
+
+
+def test_a_folder_without_metrics_is_an_error(tmp_path):
+    assert_cli_error(run_cli(str(tmp_path)), str(tmp_path), "no metrics.csv")
+    assert list(tmp_path.iterdir()) == []
+
+
+def append(path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("breakage, fragments", [
+    (lambda run: (run / "eval_after.json").write_text("{bad"), ["eval_after.json"]),
+    (lambda run: (run / "eval_before.json").write_text('{"overall": {"strict": 1}}'), ["eval_before.json", "overall"]),
+    (lambda run: (run / "eval_after.json").write_text(json.dumps({"overall": {"strict": 1, "score": 1, "n": 2},
+                                                                   "categories": []})),
+     ["eval_after.json", "categories"]),
+    (lambda run: (run / "config.yaml").unlink(), ["config.yaml", "missing"]),
+    (lambda run: (run / "config.yaml").write_text("credit: nosuch\n"), ["config.yaml", "credit"]),
+    (lambda run: append(run / "metrics.csv", "7,abc\n"), ["metrics.csv", "line 8", "'abc'"]),
+], ids=["bad eval json", "eval without categories", "eval categories a list", "no config", "bad config", "bad metric"])
+def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, fragments):
+    run, _, _ = run
+    breakage(run)
+    before = {p.name: p.read_bytes() for p in (run / "report").iterdir()}
+    assert_cli_error(run_cli(str(run)), *fragments)
+    assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == before
+    assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
