@@ -116,6 +116,8 @@ def load(path: Path, engine, rank: int) -> dict:
         if rng_file.exists():  # resuming on more ranks than saved: the new ranks keep fresh RNG
             set_rng_state(torch.load(rng_file, weights_only=False))
         return torch.load(path / "state.pt", weights_only=False)
+    except torch.cuda.OutOfMemoryError:
+        raise
     except (RuntimeError, AssertionError, KeyError, EOFError, pickle.UnpicklingError) as exc:
         # a truncated file, or weights of another shape: name the checkpoint and the likely cause
         first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -103,7 +103,9 @@ class EvalConfig:
     before_after: bool = True  # evaluate the base model before training and the result after it
     every: int = 0  # iterations between evaluations during training (0 = none)
     prompts: str = "shapeeval:test"
-    reward: str = "shapes"  # scores held-out samples; must report "strict" and "score"
+    # scores held-out samples, built with reward.options[<name>] when given; its "score", and its
+    # "strict" (or GenEval's "strict_accuracy") where it has one
+    reward: str = "shapes"
     seeds: int = 4
     min_images: int = 32  # more seeds for the prompts of a category with fewer images (0 = off)
     steps: int = 40

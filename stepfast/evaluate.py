@@ -172,12 +172,21 @@ def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *
     out = reward.score(pixels, prompts, metas)
     scored = time.perf_counter()
     return {
-        "strict": out["strict"].float().numpy(),
+        "strict": _strict(out, len(metas)),
         "score": out["score"].float().numpy(),
         "category": out.get("category", torch.full((len(metas),), -1.0)).float().numpy(),
         "pixels": pixels,
         "seconds": {"sampling": sampled - start, "scoring": scored - sampled},
     }
+
+
+def _strict(out: dict, n: int) -> np.ndarray:
+    """The pass/fail of each image: "strict" (ShapeEval), "strict_accuracy" (GenEval's server), or
+    NaN for a reward without one (PickScore): its strict columns then read nan."""
+    for key in ("strict", "strict_accuracy"):
+        if key in out:
+            return out[key].float().numpy()
+    return np.full(n, np.nan, dtype=np.float32)
 
 
 def shard(plan: list, rank: int, world: int) -> tuple[list, int]:

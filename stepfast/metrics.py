@@ -20,21 +20,9 @@ class MetricsLogger:
         self.tb = self.wandb = None
         if not enabled:
             return
-        if wandb:  # before anything is rewritten
-            try:
-                import wandb as wandb_module
-            except ImportError as exc:
-                raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
+        wandb_module = import_wandb() if wandb else None  # before anything is rewritten
         if self.path.exists():
-            try:
-                with self.path.open(newline="") as f:
-                    rows = [r for r in csv.DictReader(f) if int(r["iteration"]) <= resume_from]
-            except (KeyError, ValueError, TypeError) as exc:  # left as it is: nothing is rewritten
-                raise ValueError(
-                    f"{self.path}: cannot read the metrics logged so far ({type(exc).__name__}: {exc}); "
-                    "repair it, or move it away to start a new log"
-                ) from None
-            self.rows = [{k: _num(v) for k, v in r.items()} for r in rows]
+            self.rows = [r for r in read_logged(self.path) if r["iteration"] <= resume_from]
             self._rewrite()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -80,6 +68,32 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def import_wandb():
+    """The wandb module; an ImportError saying how to install it."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
+    return wandb
+
+
+def read_logged(path) -> list[dict]:
+    """The rows of a metrics.csv (numbers, "" where not logged); a ValueError naming the file when
+    it cannot be read back (the file is left as it is)."""
+    try:
+        with open(path, newline="") as f:
+            rows = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        for r in rows:
+            if not isinstance(r["iteration"], int):
+                raise ValueError(f"iteration {r['iteration']!r} is not an integer")
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{path}: cannot read the metrics logged so far ({type(exc).__name__}: {exc}); "
+            "repair it, or move it away to start a new log"
+        ) from None
+    return rows
 
 
 def _num(v: str):

@@ -220,7 +220,7 @@ def read_config(path: Path):
     if not path.is_file():
         raise RunFolderError(f"{path} is missing (the trainer writes it when a run starts)")
     try:
-        return load_config(str(path))
+        return load_config(str(path), ["resume=none"])  # the checkpoint it resumed from may be pruned
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         message = str(exc)
         raise RunFolderError(message if str(path) in message else f"{path}: {message}") from exc

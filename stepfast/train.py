@@ -27,7 +27,7 @@ from stepfast.config import ConfigError, load_config, to_dict
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats
-from stepfast.metrics import MetricsLogger, write_json
+from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora
 from stepfast.rewards.async_scoring import AsyncScorer
 from stepfast.rollout import sample_noise
@@ -55,9 +55,14 @@ class Trainer:
             held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
             if held:
                 raise ConfigError(
-                    f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it with "
-                    "resume=auto, or give another output_dir"
+                    f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
+                    "newest checkpoint with resume=auto, or give another output_dir"
                 )
+        # checked on every rank before the model loads (they would wait in a collective for rank 0)
+        if cfg.log.wandb:
+            import_wandb()
+        if cfg.resume != "none" and (self.out / "metrics.csv").exists():
+            read_logged(self.out / "metrics.csv")
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
@@ -206,8 +211,8 @@ class Trainer:
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
         metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
-        try:
-            reward = rewards.load(cfg.eval.reward)
+        try:  # with the options reward.options gives it, as a train reward has
+            reward = rewards.load(cfg.eval.reward, **cfg.reward.options.get(cfg.eval.reward, {}))
         except TypeError as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward

@@ -233,7 +233,7 @@ def not_lora(kind, tmp_path, model):
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("text file", "LoRA weights {path} are not a .safetensors file: expected a directory holding "
+    ("text file", "LoRA weights {path} are not a .safetensors (or .bin) file: expected a directory holding "
                   "pytorch_lora_weights.safetensors, or that .safetensors file"),
     ("text file named .safetensors", "LoRA weights {path} are not a readable .safetensors file"),
     ("empty directory", "LoRA directory {path} holds no .safetensors files"),
@@ -269,3 +269,13 @@ def test_evaluation_command_names_a_bad_option_without_a_traceback(tmp_path, arg
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lora_weights_may_be_a_pickled_bin_file(tmp_path):
+    from stepfast.models import lora_weights_file
+
+    weights = tmp_path / "pytorch_lora_weights.bin"
+    torch.save({"transformer.x.lora_A.weight": torch.zeros(1)}, weights)
+    assert lora_weights_file(weights) == weights
+    with pytest.raises(FileNotFoundError):
+        lora_weights_file(tmp_path / "missing.bin")

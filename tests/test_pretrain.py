@@ -12,6 +12,16 @@ from safetensors.torch import load_file
 from stepfast import pretrain
 from stepfast.models import EMBEDDED_MODEL, load_pipeline
 
+@pytest.fixture(autouse=True)
+def keep_torch_state():
+    """pretrain.main sets torch's thread count and seed for the process: put them back for the
+    tests that run after these in the same process."""
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
+
+
 TINY = ["--steps", "3", "--vae-steps", "2", "--pool-size", "48", "--batch-size", "8"]
 
 

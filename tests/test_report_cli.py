@@ -47,7 +47,9 @@ def run(tmp_path):
     rng = np.random.default_rng(0)
     run = tmp_path / "run"
     run.mkdir()
-    config = {"iterations": 6, "credit": "flow_grpo", "output_dir": "elsewhere"}  # the folder may have moved
+    # the folder may have moved, and the checkpoint the run resumed from may have been pruned since
+    config = {"iterations": 6, "credit": "flow_grpo", "output_dir": "elsewhere",
+              "resume": str(tmp_path / "pruned" / "checkpoint-000002")}  # fmt: skip
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     rows = [{"iteration": it, "reward": float(rng.random()), "gain/0": float(rng.random()),
              "gain/1": float(rng.random()), "time/rollout": 1.5, "time/iteration": 2.5}
@@ -76,7 +78,7 @@ def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
     report = run / "report"
     # what write_report makes of the same data, held in memory as the trainer holds it
-    expected = write_report(tmp_path / "expected", rows, evals, None, None, load_config(str(run / "config.yaml")))
+    expected = write_report(tmp_path / "expected", rows, evals, None, None, load_config(str(run / "config.yaml"), ["resume=none"]))
     summary = (report / "summary.md").read_text()
     assert summary.startswith((expected / "summary.md").read_text())
     assert "flow_grpo credit" in summary and "Iterations: 6" in summary

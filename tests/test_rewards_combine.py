@@ -33,6 +33,11 @@ class Darkness:
         return {"score": self.scale * darkness(images, prompts, metadata)}
 
 
+def darkness_with_defaults(images=None, prompts=None, metadata=None):
+    """A scoring function whose arguments all have defaults: still not a factory."""
+    return darkness(images, prompts, metadata)
+
+
 def make_darkness(scale=1.0):
     """A factory: every argument has a default, so it is called even without options."""
     return Darkness(scale)
@@ -42,6 +47,7 @@ def test_custom_rewards_by_import_path_class_factory_and_function(images):
     dark = darkness(images, PROMPTS, None)
     for target, options, expected in [
         ("test_rewards_combine:darkness", {}, dark),
+        ("test_rewards_combine:darkness_with_defaults", {}, dark),
         ("test_rewards_combine:Darkness", {}, dark),
         ("test_rewards_combine:Darkness", {"scale": 2.0}, 2 * dark),
         ("test_rewards_combine:make_darkness", {}, dark),

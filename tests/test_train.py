@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -248,6 +249,24 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
     assert (tmp_path / "ranks2" / "report" / "samples_after.png").exists()
 
 
+def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path):
+    """As the SD3.5 presets' eval rewards: options from reward.options, and (PickScore) no pass/fail."""
+    name = "train_helpers:ScaledBrightness"
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0,
+                      reward={"weights": {name: 1.0}, "options": {name: {"scale": 0.5}}},
+                      eval={"before_after": True, "reward": name, "limit": 2, "seeds": 1, "min_images": 0,
+                            "steps": 2},
+                      log={"tensorboard": False, "report": True})  # fmt: skip
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert "eval before: overall strict nan score" in proc.stdout
+    before = json.loads((out / "eval_before.json").read_text())
+    scores = [s["score"] for s in before["samples"]]
+    assert len(scores) == 2 and all(0 <= x <= 0.5 for x in scores)  # brightness in [0, 1], scaled by 0.5
+    assert all(math.isnan(s["strict"]) for s in before["samples"])
+    assert (out / "report" / "summary.md").exists()
+
+
 # --- bad input: a clear error, exit code 2, nothing lost ----------------------------------------
 
 
@@ -325,7 +344,8 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     config, out, files = copy_run(baseline, tmp_path)
     proc = train(config, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"output_dir {out} already holds a run (metrics.csv, checkpoints): continue it with resume=auto" in proc.stderr
+    assert (f"output_dir {out} already holds a run (metrics.csv, checkpoints): continue it from its newest "
+            "checkpoint with resume=auto") in proc.stderr
     assert_unchanged(out, files)
 
 

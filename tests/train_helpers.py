@@ -24,3 +24,13 @@ def brightness_eval(images, prompts, metadata=None):
     """`brightness` with a pass/fail, for the held-out evaluation (which reports both)."""
     score = brightness(images, prompts)["score"]
     return {"score": score, "strict": (score > 0.5).float()}
+
+
+class ScaledBrightness:
+    """A reward that needs an option, and reports no "strict" (as PickScore)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def score(self, images, prompts, metadata=None):
+        return {"score": self.scale * brightness(images, prompts)["score"]}

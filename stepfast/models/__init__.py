@@ -129,8 +129,10 @@ def lora_weights_file(path: str | Path) -> Path:
             file = path / files[0]
         else:
             raise ValueError(f"LoRA directory {path} holds {files or 'no .safetensors files'}: {expected}")
+    elif path.suffix == ".bin" and path.is_file():  # a pickled state dict: diffusers reads it
+        return path
     elif path.suffix != ".safetensors":
-        raise ValueError(f"LoRA weights {path} are not a .safetensors file: {expected}")
+        raise ValueError(f"LoRA weights {path} are not a .safetensors (or .bin) file: {expected}")
     else:
         file = path
     if not file.is_file():

@@ -79,15 +79,21 @@ class FunctionReward:
 
 
 def _is_factory(fn) -> bool:
-    """True for a callable that takes no positional argument (`make()`, `make(device="cpu")`): a
-    factory, even without options; a scoring function takes (images, prompts, metadata)."""
+    """True for a callable that can be called without arguments but not as a scoring function
+    `fn(images, prompts, metadata)`: `make()`, `make(device="cpu")`. Called even without options."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): a scoring function
         return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    return not any(p.kind in positional and (p.default is p.empty or p.kind is inspect.Parameter.VAR_POSITIONAL)
-                   for p in params)  # fmt: skip
+    try:
+        signature.bind()
+    except TypeError:
+        return False
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        return True
+    return False
 
 
 def _check_options(name: str, build, options: dict) -> None:
