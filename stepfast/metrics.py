@@ -79,31 +79,41 @@ def import_wandb():
     return wandb
 
 
-def read_logged(path) -> list[dict]:
-    """The rows of a metrics.csv (numbers, "" where not logged); a ValueError naming the file when
-    it cannot be read back (the file is left as it is)."""
+def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:
+    """The rows of a metrics.csv as the trainer logged them: numbers, "" where a column was not
+    logged that iteration. A ValueError naming the file, and the line and column at fault, when it
+    cannot be read back (the file is left as it is)."""
     try:
         with open(path, newline="") as f:
-            rows = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
-        for r in rows:
-            if not isinstance(r["iteration"], int):
-                raise ValueError(f"iteration {r['iteration']!r} is not an integer")
-    except (KeyError, ValueError, TypeError) as exc:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            missing = [k for k in required if k not in fields]
+            if fields and missing:
+                raise ValueError(f"the header has no {missing} column: {fields[:6]}")
+            rows = []
+            for row in reader:
+                where = f"line {reader.line_num}"
+                values = {k: _cell(v, f"{where}, column {k!r}") for k, v in row.items() if k is not None}
+                if not isinstance(values.get("iteration"), int):
+                    raise ValueError(f"{where}: iteration {row.get('iteration')!r} is not an integer")
+                rows.append(values)
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
         raise ValueError(
-            f"{path}: cannot read the metrics logged so far ({type(exc).__name__}: {exc}); "
-            "repair it, or move it away to start a new log"
+            f"{path}: cannot read the metrics logged so far ({exc}); repair it, or move it away to start a new log"
         ) from None
     return rows
 
 
-def _num(v: str):
-    try:
-        return int(v)
-    except ValueError:
+def _cell(text: str | None, where: str):
+    """A metrics.csv cell: "" (not logged that iteration, or a short row) or an int or a float."""
+    if text is None or text == "":
+        return ""
+    for kind in (int, float):
         try:
-            return float(v)
+            return kind(text)
         except ValueError:
-            return v
+            pass
+    raise ValueError(f"{where}: {text!r} is not a number")
 
 
 def write_json(path, data) -> None:

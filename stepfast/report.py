@@ -145,38 +145,14 @@ class RunFolderError(ValueError):
     """A run folder that the report cannot be rebuilt from; the message says what is missing or wrong."""
 
 
-def _number(text: str | None, where: str):
-    """A metrics.csv cell: "" (not logged that iteration) or an int or a float."""
-    if text is None or text == "":
-        return ""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    raise RunFolderError(f"{where}: {text!r} is not a number")
-
-
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a run's metrics.csv, as the trainer logged them (numbers; "" where not logged)."""
-    import csv
+    """The rows of a run's metrics.csv, read as the trainer reads them on resume."""
+    from stepfast.metrics import read_logged
 
     try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            if fields and ("iteration" not in fields or "reward" not in fields):
-                raise RunFolderError(f"{path}: the header has no 'iteration' or no 'reward' column: {fields[:6]}")
-            rows = []
-            for row in reader:
-                line = reader.line_num
-                values = {k: _number(v, f"{path} line {line}, column {k!r}") for k, v in row.items() if k is not None}
-                if not isinstance(values["iteration"], int):
-                    raise RunFolderError(f"{path} line {line}: iteration {row['iteration']!r} is not an integer")
-                rows.append(values)
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise RunFolderError(f"cannot read {path}: {exc}") from exc
-    return rows
+        return read_logged(path, required=("iteration", "reward"))
+    except ValueError as exc:
+        raise RunFolderError(str(exc)) from exc
 
 
 def _is_evaluation(result) -> bool:

@@ -224,7 +224,7 @@ class Trainer:
         from stepfast import evaluate as ev
 
         cfg = self.cfg
-        metas, plan, reward = self.eval_setup or self._eval_setup()
+        metas, plan, reward = self.eval_setup  # set at start whenever the config evaluates
         share, real = ev.shard(plan, self.rank, self.world)
         if self.ema is not None:
             self.ema.swap(self.engine.module)
