@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from stepfast.files import check_creatable_dir
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -343,5 +345,9 @@ def validate(cfg: Config) -> None:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {cfg.output_dir!r} is a file, not a directory")
+    try:  # before the model loads, not when the first file is written
+        check_creatable_dir(out)
+    except ValueError as exc:
+        raise ConfigError(f"output_dir: {exc}") from None
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume: checkpoint {cfg.resume!r} does not exist (use auto, none or a checkpoint dir)")

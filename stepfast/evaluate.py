@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
+from stepfast.files import check_creatable_dir
 from stepfast.models import EMBEDDED_MODEL, check_device, load_lora, load_pipeline, lora_weights_file, text_length
 
 
@@ -201,16 +201,18 @@ def shard(plan: list, rank: int, world: int) -> tuple[list, int]:
 
 def unshard(parts: list[dict], world: int) -> dict:
     """The `draw_and_score` outputs of every rank's share (rank order, padding cut) back in plan
-    order; "seconds" are the slowest rank's."""
-    out = {}
-    for key in ("strict", "score", "category", "pixels"):
-        pieces = [p[key] for p in parts]
-        merged = np.empty((sum(len(x) for x in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype)
-        for rank, piece in enumerate(pieces):
-            merged[rank::world] = piece
-        out[key] = merged
+    order; "seconds" are the slowest rank's. Parts may leave out "pixels" (only scores travel)."""
+    out = {key: interleave([p[key] for p in parts], world) for key in parts[0] if key != "seconds"}
     out["seconds"] = {k: max(p["seconds"][k] for p in parts) for k in parts[0]["seconds"]}
     return out
+
+
+def interleave(pieces: list[np.ndarray], world: int) -> np.ndarray:
+    """Rank r's piece holds plan entries r, r + world, ...: put them back in plan order."""
+    merged = np.empty((sum(len(x) for x in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype)
+    for rank, piece in enumerate(pieces):
+        merged[rank::world] = piece
+    return merged
 
 
 def summarise(plan: list[tuple[dict, int]], scored: dict, settings: dict, keep_images: bool = False) -> dict:
@@ -323,19 +325,12 @@ def check_out_dir(out: Path) -> None:
     """A ValueError naming `out` when `write_report` could not write there: `out` must be a
     directory or not exist yet (then its nearest existing parent must be a writable directory),
     and none of the report files in it may be a directory. Checked before any sampling."""
-    if out.exists():
-        if not out.is_dir():
-            raise ValueError(f"{out} is a file, not a directory (it would receive {', '.join(REPORT_FILES)})")
-        for name in REPORT_FILES:
-            if (out / name).is_dir():
-                raise ValueError(f"{out / name} is a directory: the report file cannot be written there")
-        existing = out
-    else:
-        existing = next(p for p in out.absolute().parents if p.exists())
-        if not existing.is_dir():
-            raise ValueError(f"cannot create {out}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write in {existing}: permission denied")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory (it would receive {', '.join(REPORT_FILES)})")
+    check_creatable_dir(out)
+    for name in REPORT_FILES:
+        if (out / name).is_dir():
+            raise ValueError(f"{out / name} is a directory: the report file cannot be written there")
 
 
 def write_report(result: dict, out: Path, columns: int) -> None:

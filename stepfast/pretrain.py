@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
+from stepfast.files import check_creatable_dir
 from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
@@ -304,10 +305,9 @@ def check_replaceable(path: Path, partial_ok: bool = False) -> None:
 def check_out(out: Path, snapshots: bool) -> None:
     """Before any training: a ValueError naming the path when the pipeline could not be written
     to `out` (or its snapshots to OUT-snapshots/step-N) without deleting what is not a pipeline."""
-    existing = next(p for p in out.parents if p.exists())
-    if not existing.is_dir():
-        raise ValueError(f"cannot create {out}: {existing} is a file, not a directory")
     check_replaceable(out)
+    check_creatable_dir(out)
+    check_creatable_dir(out.absolute().parent)  # the pipeline is written next to `out`, then renamed in
     for suffix in (".tmp", ".old"):  # write_pipeline's working names next to `out`
         check_replaceable(out.with_name(out.name + suffix), partial_ok=True)
     if snapshots:

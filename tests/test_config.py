@@ -67,6 +67,7 @@ def test_dotted_overrides_and_types():
     ("eval.limit=-1", "eval.limit must be >= 0"),
     ("eval.min_images=-1", "eval.min_images must be >= 0"),
     (f"output_dir={__file__}", f"output_dir: {__file__!r} is a file, not a directory"),
+    (f"output_dir={__file__}/run", f"output_dir: cannot create {__file__}/run: {__file__} is a file"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -1,0 +1,23 @@
+"""Checks on the folders a command will write, made before any work that their failure would waste."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def check_creatable_dir(path: str | Path) -> Path:
+    """`path` as a Path when it is a directory that can be written in, or does not exist yet and its
+    nearest existing parent is one; else a ValueError that names the path and what is wrong."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{path} is a file, not a directory")
+        existing = path
+    else:
+        existing = next(p for p in path.absolute().parents if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"cannot create {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write in {existing}: permission denied")
+    return path

@@ -1,0 +1,31 @@
+"""The output-folder check that the trainer, evaluate and pretrain make before any work."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stepfast.files import check_creatable_dir
+
+
+def test_a_directory_or_a_path_under_one_is_accepted(tmp_path):
+    assert check_creatable_dir(tmp_path) == tmp_path
+    assert check_creatable_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b"
+
+
+def test_a_file_on_the_way_is_named(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'f'} is a file, not a directory$"):
+        check_creatable_dir(tmp_path / "f")
+    with pytest.raises(ValueError, match=f"^cannot create {tmp_path / 'f' / 'a' / 'b'}: {tmp_path / 'f'} is a file"):
+        check_creatable_dir(tmp_path / "f" / "a" / "b")
+
+
+def test_a_folder_without_write_permission_is_named(tmp_path, monkeypatch):
+    # os.access, not chmod: the test may run as root, which may write anywhere
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != os.fspath(tmp_path))
+    with pytest.raises(ValueError, match=f"cannot write in {tmp_path}: permission denied"):
+        check_creatable_dir(tmp_path / "new")
+    with pytest.raises(ValueError, match=f"cannot write in {tmp_path}: permission denied"):
+        check_creatable_dir(tmp_path)
