@@ -219,8 +219,9 @@ class Trainer:
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
-        equal share of the images and gets the whole result (so every rank knows which evaluations
-        are done); rank 0 writes eval_{tag}.json."""
+        equal share of the images and gets every score (so every rank knows which evaluations are
+        done); only rank 0, which writes eval_{tag}.json and the report, gets the images, and only
+        when `keep_images`."""
         from stepfast import evaluate as ev
 
         cfg = self.cfg
@@ -237,11 +238,17 @@ class Trainer:
                 self.ema.swap(self.engine.module)
         scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
         if self.world > 1:
+            pixels = scored.pop("pixels")  # the images are most of the bytes: scores alone go to every rank
             parts = [None] * self.world
             torch.distributed.all_gather_object(parts, scored)
             scored = ev.unshard(parts, self.world)
+            if keep_images:
+                held = [None] * self.world if self.main else None
+                torch.distributed.gather_object(pixels, held, dst=0)
+                pixels = ev.interleave(held, self.world) if self.main else pixels
+            scored["pixels"] = pixels  # on other ranks their own share: summarise reads only its size
         settings = ev.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
-        result = ev.summarise(plan, scored, settings, keep_images)
+        result = ev.summarise(plan, scored, settings, keep_images and self.main)
         self.evals[tag] = {"overall": result["overall"], "categories": result["categories"]}
         if self.main:
             write_json(self.out / f"eval_{tag}.json", {k: v for k, v in result.items() if k != "images"})

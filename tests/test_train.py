@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from stepfast import checkpoint, grpo
 from stepfast.data.prompts import load_prompts
@@ -246,7 +248,12 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         assert [(s["prompt"], s["seed"]) for s in two] == [(s["prompt"], s["seed"]) for s in one]
         for a, b in zip(one, two):
             assert b["score"] == pytest.approx(a["score"], abs=1e-3)
-    assert (tmp_path / "ranks2" / "report" / "samples_after.png").exists()
+    # rank 0 alone receives the images, in plan order: the report's sample grids match one rank's
+    for tag in ("before", "after"):
+        grids = [np.asarray(Image.open(tmp_path / f"ranks{r}" / "report" / f"samples_{tag}.png"), dtype=float)
+                 for r in (1, 2)]  # fmt: skip
+        assert grids[0].shape == grids[1].shape
+        assert np.abs(grids[0] - grids[1]).mean() < 1.0, tag
 
 
 def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path):
@@ -346,6 +353,22 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert (f"output_dir {out} already holds a run (metrics.csv, checkpoints): continue it from its newest "
             "checkpoint with resume=auto") in proc.stderr
+    assert_unchanged(out, files)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "already holds a run (metrics.csv, checkpoints)"),
+    (["resume=auto", "iterations=6"], "metrics.csv: cannot read the metrics logged so far"),
+])  # fmt: skip
+def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, message):
+    """Every rank makes the start-up checks, so no rank is left waiting in a collective for one that
+    stopped: the launcher exits with the error's code well inside the timeout, the run unchanged."""
+    config, out, _ = copy_run(baseline, tmp_path)
+    (out / "metrics.csv").write_text("garbage,header\n1,2\n")
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    proc = train(config, *overrides, ranks=2, check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr
     assert_unchanged(out, files)
 
 
