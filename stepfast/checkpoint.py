@@ -3,6 +3,8 @@
     output_dir/checkpoints/checkpoint-000010/
         lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (pipe.load_lora_weights)
         lora_ema/pytorch_lora_weights.safetensors   with optim.ema > 0: the EMA weights, same format
+        transformer/, transformer_ema/          in place of lora/, lora_ema/ with model.lora=false: the
+                                                whole transformer (SD3Transformer2DModel.from_pretrained)
         engine/                                 DeepSpeed state: weights, optimizer, LR scheduler
         rng/rank{r}.pt                          RNG states of every rank
         state.pt                                iteration, EMA, prompt-sampler position, metrics rows
@@ -61,11 +63,12 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int, lora_saver=None, keep: int = 2) -> Path:
+def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int, write_weights=None,
+         keep: int = 2) -> Path:  # fmt: skip
     """Write checkpoint `iteration` atomically (collective: every rank calls it).
 
-    lora_saver(folder), on rank 0: writes the adapter folders (`lora/`, `lora_ema/`) into the
-    checkpoint folder being written."""
+    write_weights(folder), on rank 0: writes the weights in diffusers' format (`lora/`, `lora_ema/`
+    or `transformer/`, `transformer_ema/`) into the checkpoint folder being written."""
     root = checkpoint_dir(output_dir)
     final = root / f"checkpoint-{iteration:06d}"
     tmp = root / f"checkpoint-{iteration:06d}.tmp"
@@ -78,8 +81,8 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
     torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
     if rank == 0:
         torch.save(state, tmp / "state.pt")
-        if lora_saver is not None:
-            lora_saver(tmp)
+        if write_weights is not None:
+            write_weights(tmp)
     _barrier(world)
     if rank == 0:
         (tmp / "COMPLETE").write_text(f"{iteration}\n")

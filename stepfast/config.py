@@ -90,6 +90,9 @@ class OptimConfig:
     ema: float = 0.0  # EMA decay of the trainable weights (0 = off); used for evaluation
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1, 2 or 3
     precision: str = "fp32"  # fp32 | bf16 | fp16 for the trained transformer (DeepSpeed)
+    # merged into the shipped configs/deepspeed/zero{stage}.json, e.g. CPU offload:
+    # {zero_optimization: {offload_optimizer: {device: cpu}}}; the keys other settings own are refused
+    deepspeed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -293,6 +296,20 @@ CREDIT_ESTIMATORS = ("flow_grpo", "stepwise", "stepwise_per_step", "turning_poin
 LOGPROB_CONVENTIONS = ("gaussian", "cps")
 
 
+# DeepSpeed settings that come from other keys (stepfast.engine.deepspeed_config fills them in)
+DEEPSPEED_KEYS_OWNED = {
+    ("train_micro_batch_size_per_gpu",): "rollout.micro_batch",
+    ("train_batch_size",): "rollout.micro_batch (and the backward passes of an iteration)",
+    ("gradient_accumulation_steps",): "the backward passes of an iteration / optim.updates_per_iteration",
+    ("gradient_clipping",): "optim.grad_clip",
+    ("bf16",): "optim.precision",
+    ("fp16",): "optim.precision",
+    ("optimizer",): "optim.lr, optim.betas and optim.weight_decay (torch's AdamW)",
+    ("scheduler",): "optim.warmup",
+    ("zero_optimization", "stage"): "optim.zero_stage",
+}
+
+
 def validate(cfg: Config) -> None:
     choices = {
         "sampler": SAMPLERS,
@@ -334,6 +351,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     if not cfg.optim.clip_range > 0:
         raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
+    for keys, owner in DEEPSPEED_KEYS_OWNED.items():
+        value = cfg.optim.deepspeed
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            raise ConfigError(f"optim.deepspeed.{'.'.join(keys)} is set by {owner}; set that instead")
+    if cfg.optim.beta > 0 and not cfg.model.lora:
+        raise ConfigError(
+            "optim.beta > 0 (the KL penalty) needs model.lora=true: the reference policy is the model "
+            "with its adapter disabled"
+        )
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.sde.window is not None:

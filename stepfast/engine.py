@@ -62,7 +62,15 @@ def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) ->
     })  # fmt: skip
     config["bf16"] = {"enabled": optim.precision == "bf16"}
     config["fp16"] = {"enabled": optim.precision == "fp16", "initial_scale_power": 16}
-    return config
+    return merged(config, optim.deepspeed)
+
+
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra` merged in, mapping into mapping (neither is changed)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, accumulation: int):
@@ -129,6 +137,29 @@ class EMA:
             raise ValueError(f"EMA state lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
         for k in self.shadow:
             self.shadow[k] = state["shadow"][k].to(self.shadow[k].device)
+
+
+@torch.no_grad()
+def trainable_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """The trainable parameters of `module` by `named_parameters` name, as CPU copies in their own
+    dtype, to write out. Under ZeRO-3 each is gathered in turn from the ranks' partitions: a
+    collective that every rank enters; only ranks with `keep` hold the copies (the others get {})."""
+    import contextlib
+
+    out = {}
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if zero3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters([param])
+        else:
+            gathered = contextlib.nullcontext()
+        with gathered:
+            if keep:
+                out[name] = param.detach().cpu().clone()
+    return out
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:

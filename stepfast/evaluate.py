@@ -1,6 +1,6 @@
 """Evaluate a pipeline on ShapeEval prompts and print a GenEval-style table.
 
-    python -m stepfast.evaluate --model DIR [--lora DIR] [--prompts test] [--seeds 4] [--min-images 32]
+    python -m stepfast.evaluate --model DIR [--lora DIR | --transformer DIR] [--prompts test] [--seeds 4] [--min-images 32]
                                 [--steps 40] [--cfg 4.5] [--out DIR] [--limit N] [--batch-size 32]
 
 Every prompt is sampled once per seed (seed s draws the initial noise of every prompt's s-th
@@ -33,7 +33,16 @@ from tqdm.auto import tqdm
 
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
 from stepfast.files import check_creatable_dir
-from stepfast.models import EMBEDDED_MODEL, check_device, load_lora, load_pipeline, lora_weights_file, text_length
+from stepfast.models import (
+    EMBEDDED_MODEL,
+    check_device,
+    check_transformer_dir,
+    load_lora,
+    load_pipeline,
+    load_transformer,
+    lora_weights_file,
+    text_length,
+)
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -345,7 +354,10 @@ def write_report(result: dict, out: Path, columns: int) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_MODEL, help="diffusers SD3 pipeline directory")
-    parser.add_argument("--lora", default=None, help="LoRA weights to load onto the transformer")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--lora", default=None, help="LoRA weights to load onto the transformer")
+    weights.add_argument("--transformer", default=None,
+                         help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
     parser.add_argument("--prompts", default="test", help="train | test | *_metadata.jsonl | prompts .txt")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt (seeds 0..N-1)")
     parser.add_argument("--min-images", type=int, default=32,
@@ -380,9 +392,13 @@ def main(argv: list[str] | None = None) -> dict:
     metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
     if args.lora:
         lora_weights_file(args.lora)  # FileNotFoundError / ValueError naming it, before the model loads
+    if args.transformer:
+        check_transformer_dir(args.transformer)
     pipe = load_pipeline(args.model, device=device)
     if args.lora:
         load_lora(pipe, args.lora)
+    if args.transformer:
+        load_transformer(pipe, args.transformer)
     multiple = pipe.vae_scale_factor * pipe.patch_size
     if args.size is not None and args.size % multiple:
         parser.error(f"--size must be a multiple of {multiple} for this model, got {args.size}")
@@ -390,7 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
         pipe, metadata, args.seeds, args.steps, args.cfg, min_images=args.min_images, batch_size=args.batch_size,
         size=args.size, keep_images=True,
     )
-    result["settings"].update(model=str(args.model), lora=args.lora, prompt_source=args.prompts)
+    result["settings"].update(model=str(args.model), lora=args.lora, transformer=args.transformer,
+                              prompt_source=args.prompts)  # fmt: skip
     print(markdown_table(result), end="")
     print(
         f"{len(metadata)} prompts x {args.seeds}+ seeds ({len(result['samples'])} images), {args.steps} steps, "

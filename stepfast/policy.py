@@ -136,6 +136,27 @@ def decode(pipe, latents: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
     return torch.cat(out)
 
 
+def save_transformer(transformer, directory: str | Path, weights: dict[str, torch.Tensor]) -> None:
+    """A fully fine-tuned transformer in diffusers' format (config.json and
+    diffusion_pytorch_model.safetensors: `SD3Transformer2DModel.from_pretrained(directory)`).
+
+    weights: every parameter by `named_parameters` name (gathered where ZeRO-3 partitions them, or
+    the EMA's shadow), written in the transformer's dtype; its buffers are taken from the module."""
+    from safetensors.torch import save_file
+
+    params = dict(transformer.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise ValueError(f"save_transformer: no weights given for {len(missing)} parameters, e.g. {missing[0]}")
+    state = {k: v for k, v in transformer.state_dict().items() if k not in params}  # persistent buffers
+    state.update({k: weights[k].to(params[k].dtype) for k in params})
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    transformer.save_config(directory)
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
+              directory / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})  # fmt: skip
+
+
 def save_lora(transformer, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     """The adapter in diffusers' format (loadable with `pipe.load_lora_weights(directory)`).
 

@@ -26,9 +26,9 @@ from stepfast import checkpoint, grpo, rewards
 from stepfast.config import ConfigError, load_config, to_dict
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
-from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats
+from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
-from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora
+from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.rewards.async_scoring import AsyncScorer
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
@@ -135,16 +135,21 @@ class Trainer:
     def save(self, iteration: int) -> Path:
         state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals,
                  "ema": self.ema.state_dict() if self.ema is not None else None}  # fmt: skip
-        lora = self._save_lora if self.cfg.model.lora else None
-        return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world, lora,
+        # collective under ZeRO-3 (every rank gathers each weight); rank 0 keeps the copies
+        weights = trainable_weights(self.engine.module, self.cfg.optim.zero_stage == 3, keep=self.main)
+        return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world,
+                               lambda folder: self._save_weights(folder, weights),
                                keep=self.cfg.keep_checkpoints)  # fmt: skip
 
-    def _save_lora(self, folder: Path) -> None:
-        """Into a checkpoint folder: the adapter as trained in `lora/`; with EMA on, also the EMA
-        weights (what evaluation samples with) in `lora_ema/`."""
-        save_lora(self.engine.module, folder / "lora")
+    def _save_weights(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+        """Into a checkpoint folder, in diffusers' format: the adapter as trained in `lora/` (full
+        fine-tuning: the transformer in `transformer/`); with EMA on, also the EMA weights (what
+        evaluation samples with) in `lora_ema/` (`transformer_ema/`)."""
+        module = self.engine.module
+        save, name = (save_lora, "lora") if self.cfg.model.lora else (save_transformer, "transformer")
+        save(module, folder / name, weights=weights)
         if self.ema is not None:
-            save_lora(self.engine.module, folder / "lora_ema", weights=self.ema.shadow)
+            save(module, folder / f"{name}_ema", weights=self.ema.shadow)
 
     # ---------------------------------------------------------------------------------------------
     def iteration(self, it: int) -> dict[str, float]:

@@ -68,6 +68,10 @@ def test_dotted_overrides_and_types():
     ("eval.min_images=-1", "eval.min_images must be >= 0"),
     (f"output_dir={__file__}", f"output_dir: {__file__!r} is a file, not a directory"),
     (f"output_dir={__file__}/run", f"output_dir: cannot create {__file__}/run: {__file__} is a file"),
+    ("optim.deepspeed={zero_optimization: {stage: 3}}",
+     "optim.deepspeed.zero_optimization.stage is set by optim.zero_stage; set that instead"),
+    ("optim.deepspeed={gradient_clipping: 2.0}", "optim.deepspeed.gradient_clipping is set by optim.grad_clip"),
+    ("optim.deepspeed=[1]", "optim.deepspeed: expected a mapping"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -143,3 +147,21 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
     assert not out.exists()
     assert main(["--print-config", "optim.lrr=1"]) == 2  # a mistyped key is still an error
     assert "did you mean 'optim.lr'" in capsys.readouterr().err
+
+
+def test_kl_penalty_needs_lora():
+    with pytest.raises(ConfigError, match="optim.beta > 0 .* needs model.lora=true"):
+        load_config("default", ["model.lora=false", "optim.beta=0.01"])
+    load_config("default", ["model.lora=false"])
+
+
+def test_deepspeed_settings_merge_into_the_shipped_config():
+    from stepfast.engine import deepspeed_config
+
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+    cfg = load_config("default", [f"optim.deepspeed={offload}", "optim.zero_stage=3"])
+    config = deepspeed_config(cfg.optim, micro_batch=4, accumulation=6)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_param_persistence_threshold"] == 100000  # the shipped file's
+    assert zero["offload_optimizer"] == {"device": "cpu"} and config["zero_force_ds_cpu_optimizer"] is False
+    assert config["gradient_accumulation_steps"] == 6 and cfg.optim.deepspeed == offload  # not changed

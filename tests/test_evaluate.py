@@ -12,7 +12,7 @@ import torch
 
 from stepfast import evaluate as ev
 from stepfast.data.shapeeval import CATEGORIES, load_metadata
-from stepfast.models import EMBEDDED_MODEL, load_lora, load_pipeline
+from stepfast.models import EMBEDDED_MODEL, load_lora, load_pipeline, load_transformer
 from stepfast.models.tiny import tiny_pipeline_dir
 
 
@@ -251,6 +251,43 @@ def test_load_lora_names_what_is_not_lora_weights(tiny, tmp_path, kind, message)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message.format(path=path) in proc.stderr and "no_model" not in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "transformer directory {path} does not exist"),
+    ("file", "transformer {path} is not a directory (expected config.json and diffusion_pytorch_model.safetensors)"),
+    ("lora", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors"),
+])  # fmt: skip
+def test_load_transformer_names_what_is_not_a_transformer(tiny, tmp_path, kind, message):
+    model, pipe = tiny
+    path = tmp_path / "transformer"
+    if kind == "file":
+        path.write_text("not weights")
+    elif kind == "lora":
+        path.mkdir()
+        (path / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    with pytest.raises((FileNotFoundError, ValueError)) as info:
+        load_transformer(pipe, path)
+    assert message.format(path=path) in str(info.value)
+    # the command checks it before loading the model (the missing model is never reached)
+    out = tmp_path / "out"
+    proc = run_evaluate("--transformer", str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message.format(path=path) in proc.stderr and "no_model" not in proc.stderr
+    assert not out.exists()
+
+
+def test_load_transformer_refuses_another_architecture_and_keeps_the_pipeline(tiny):
+    model, pipe = tiny
+    own = pipe.transformer
+    with pytest.raises(ValueError, match="is not this pipeline's architecture"):
+        load_transformer(pipe, f"{EMBEDDED_MODEL}/transformer")
+    assert pipe.transformer is own
+
+
+def test_lora_and_transformer_are_one_or_the_other(tmp_path):
+    proc = run_evaluate("--lora", str(tmp_path), "--transformer", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [

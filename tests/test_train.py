@@ -211,6 +211,59 @@ def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
     assert any(not torch.equal(trained[k], ema[k]) for k in ema)
 
 
+def test_full_fine_tuning_checkpoints_the_transformer_and_its_ema(model_dir, tmp_path):
+    """model.lora=false: the checkpoint holds the trained transformer in diffusers' format, equal to
+    the engine's weights and loadable into the pipeline in place of its own, and the EMA's beside it."""
+    from safetensors.torch import load_file
+
+    from stepfast.models import load_pipeline, load_transformer
+
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=1, model={"lora": False},
+                      optim={"lr": 1e-3, "ema": 0.5}, log={"report": False})  # fmt: skip
+    train(write_config(tmp_path / "cfg.yaml", cfg))
+    ckpt = out / "checkpoints" / "checkpoint-000001"
+    assert not (ckpt / "lora").exists()
+    engine = torch.load(ckpt / "engine" / "state" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    shadow = torch.load(ckpt / "state.pt", weights_only=False)["ema"]["shadow"]
+    pipe = load_pipeline(model_dir)
+    base = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    load_transformer(pipe, ckpt / "transformer")
+    loaded = pipe.transformer.state_dict()
+    assert loaded.keys() == base.keys() and not pipe.transformer.training
+    assert engine.keys() == loaded.keys() and all(torch.equal(loaded[k], engine[k]) for k in engine)
+    assert shadow.keys() == dict(pipe.transformer.named_parameters()).keys()  # every weight trained
+    assert any(not torch.equal(loaded[k], base[k]) for k in engine)
+    ema = load_file(ckpt / "transformer_ema" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(ema[k], shadow[k]) for k in shadow)
+    assert any(not torch.equal(ema[k], loaded[k]) for k in shadow)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_zero3_checkpoints_gather_partitioned_weights(model_dir, tmp_path, lora):
+    """Under ZeRO-3 a weight above stage3_param_persistence_threshold lives in pieces across the
+    ranks: the checkpoint's LoRA or transformer is gathered whole. Threshold 0 partitions every
+    weight; lr 0 keeps the initial ones, which are known: the base transformer, LoRA B zero."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    zero3 = {"zero_stage": 3, "lr": 0.0, "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    cfg = base_config(model_dir, out, iterations=1, model={"lora": lora}, optim=zero3, log={"report": False})
+    train(write_config(tmp_path / "cfg.yaml", cfg), ranks=2)
+    ckpt = out / "checkpoints" / "checkpoint-000001"
+    if lora:
+        saved = load_file(ckpt / "lora" / "pytorch_lora_weights.safetensors")
+        a = [v for k, v in saved.items() if "lora_A" in k]
+        b = [v for k, v in saved.items() if "lora_B" in k]
+        assert len(a) == len(b) > 0 and all(v.shape[0] == 4 and v.abs().sum() > 0 for v in a)  # rank 4
+        assert all(v.shape[1] == 4 and not v.any() for v in b)
+    else:
+        saved = load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
+        base = load_file(model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+        assert saved.keys() == base.keys()
+        assert all(torch.equal(saved[k], base[k].float()) for k in base)
+
+
 def test_two_ranks_equal_one_rank(baseline, tmp_path):
     config, base_out = baseline
     cfg = yaml.safe_load(config.read_text())

@@ -161,3 +161,43 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     return pipe
+
+
+TRANSFORMER_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def check_transformer_dir(path: str | Path) -> Path:
+    """`path` as a Path when it holds a transformer in diffusers' format (config.json and
+    diffusion_pytorch_model.safetensors, as a full fine-tuning checkpoint's `transformer/`);
+    FileNotFoundError or ValueError naming it otherwise. Reads no weights."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"transformer directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"transformer {path} is not a directory (expected config.json and {TRANSFORMER_WEIGHTS})")
+    missing = [name for name in ("config.json", TRANSFORMER_WEIGHTS) if not (path / name).is_file()]
+    sharded = (path / (TRANSFORMER_WEIGHTS.replace(".safetensors", ".safetensors.index.json"))).is_file()
+    if missing and not (missing == [TRANSFORMER_WEIGHTS] and sharded):
+        raise ValueError(f"transformer directory {path} lacks {', '.join(missing)} (diffusers' format, as "
+                         "a full fine-tuning checkpoint's transformer/ folder)")  # fmt: skip
+    return path
+
+
+def load_transformer(pipe, path: str | Path):
+    """Replace `pipe`'s transformer with the one saved at `path` (diffusers' format), in the same
+    dtype and on the same device, in eval mode with gradients off; returns `pipe`. FileNotFoundError
+    or ValueError naming `path` when it is not such a transformer or does not fit `pipe`."""
+    from diffusers import SD3Transformer2DModel
+
+    path = check_transformer_dir(path)
+    old = pipe.transformer
+    try:
+        new = SD3Transformer2DModel.from_pretrained(path, torch_dtype=old.dtype)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        raise ValueError(f"cannot load the transformer in {path}: {exc}") from exc
+    changed = sorted(k for k in set(new.config) | set(old.config)
+                     if not k.startswith("_") and new.config.get(k) != old.config.get(k))  # fmt: skip
+    if changed:
+        raise ValueError(f"the transformer in {path} is not this pipeline's architecture (config differs in {changed})")
+    pipe.transformer = new.to(old.device).eval().requires_grad_(False)
+    return pipe
