@@ -216,6 +216,16 @@ def test_evaluation_command_checks_out_before_sampling(tmp_path, out, message):
     assert (tmp_path / "results").read_text() == "earlier results\n"
 
 
+def assert_refused_before_the_model_loads(flag: str, path, message: str, tmp_path) -> None:
+    """The command names the bad `flag` path and stops before loading the model (a missing model
+    that it would otherwise report), writing nothing."""
+    out = tmp_path / "out"
+    proc = run_evaluate(flag, str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and "no_model" not in proc.stderr
+    assert not out.exists()
+
+
 def not_lora(kind, tmp_path, model):
     """A path given as --lora that holds no LoRA weights."""
     if kind == "text file":
@@ -245,12 +255,7 @@ def test_load_lora_names_what_is_not_lora_weights(tiny, tmp_path, kind, message)
     with pytest.raises(ValueError) as info:
         load_lora(pipe, path)
     assert message.format(path=path) in str(info.value)
-    # the command checks it before loading the model (the missing model is never reached)
-    out = tmp_path / "out"
-    proc = run_evaluate("--lora", str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert message.format(path=path) in proc.stderr and "no_model" not in proc.stderr
-    assert not out.exists()
+    assert_refused_before_the_model_loads("--lora", path, message.format(path=path), tmp_path)
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -269,12 +274,7 @@ def test_load_transformer_names_what_is_not_a_transformer(tiny, tmp_path, kind, 
     with pytest.raises((FileNotFoundError, ValueError)) as info:
         load_transformer(pipe, path)
     assert message.format(path=path) in str(info.value)
-    # the command checks it before loading the model (the missing model is never reached)
-    out = tmp_path / "out"
-    proc = run_evaluate("--transformer", str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert message.format(path=path) in proc.stderr and "no_model" not in proc.stderr
-    assert not out.exists()
+    assert_refused_before_the_model_loads("--transformer", path, message.format(path=path), tmp_path)
 
 
 def test_load_transformer_refuses_another_architecture_and_keeps_the_pipeline(tiny):
