@@ -19,8 +19,6 @@ from typing import Any
 
 import yaml
 
-from stepfast.files import check_creatable_dir
-
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -302,8 +300,8 @@ DEEPSPEED_KEYS_OWNED = {
     ("train_batch_size",): "rollout.micro_batch (and the backward passes of an iteration)",
     ("gradient_accumulation_steps",): "the backward passes of an iteration / optim.updates_per_iteration",
     ("gradient_clipping",): "optim.grad_clip",
-    ("bf16",): "optim.precision",
-    ("fp16",): "optim.precision",
+    ("bf16", "enabled"): "optim.precision",
+    ("fp16", "enabled"): "optim.precision",
     ("optimizer",): "optim.lr, optim.betas and optim.weight_decay (torch's AdamW)",
     ("scheduler",): "optim.warmup",
     ("zero_optimization", "stage"): "optim.zero_stage",
@@ -352,11 +350,16 @@ def validate(cfg: Config) -> None:
     if not cfg.optim.clip_range > 0:
         raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
     for keys, owner in DEEPSPEED_KEYS_OWNED.items():
-        value = cfg.optim.deepspeed
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is not None:
-            raise ConfigError(f"optim.deepspeed.{'.'.join(keys)} is set by {owner}; set that instead")
+        section = cfg.optim.deepspeed
+        for depth, key in enumerate(keys):
+            if key in section and depth == len(keys) - 1:
+                raise ConfigError(f"optim.deepspeed.{'.'.join(keys)} is set by {owner}; set that instead")
+            if key not in section:
+                break
+            if not isinstance(section[key], dict):
+                raise ConfigError(f"optim.deepspeed.{'.'.join(keys[: depth + 1])} must be a mapping "
+                                  f"(it holds {'.'.join(keys[depth + 1:])}), got {section[key]!r}")  # fmt: skip
+            section = section[key]
     if cfg.optim.beta > 0 and not cfg.model.lora:
         raise ConfigError(
             "optim.beta > 0 (the KL penalty) needs model.lora=true: the reference policy is the model "
@@ -373,9 +376,5 @@ def validate(cfg: Config) -> None:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {cfg.output_dir!r} is a file, not a directory")
-    try:  # before the model loads, not when the first file is written
-        check_creatable_dir(out)
-    except ValueError as exc:
-        raise ConfigError(f"output_dir: {exc}") from None
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume: checkpoint {cfg.resume!r} does not exist (use auto, none or a checkpoint dir)")

@@ -7,6 +7,7 @@ ops, so the same code runs on any machine); ZeRO stage 1, 2 or 3 partitions its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -57,6 +58,7 @@ def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) ->
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": optim.grad_clip,
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW is the optimizer, with offload too
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     })  # fmt: skip
@@ -92,6 +94,16 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
     return engine, optimizer, scheduler
 
 
+def gathered(params: list[torch.nn.Parameter], zero3: bool):
+    """A context in which `params` are whole on every rank: under ZeRO-3 they are gathered from the
+    ranks' partitions (a collective every rank enters) and partitioned again on exit."""
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
 class EMA:
     """Exponential moving average of the trainable weights, kept in fp32 on each rank."""
 
@@ -103,13 +115,7 @@ class EMA:
             self.shadow = {n: p.detach().float().clone() for n, p in module.named_parameters() if n in self.names}
 
     def _gathered(self, module):
-        import contextlib
-
-        if not self.zero3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if n in self.names])
+        return gathered([p for n, p in module.named_parameters() if n in self.names], self.zero3)
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
@@ -141,24 +147,17 @@ class EMA:
 
 @torch.no_grad()
 def trainable_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
-    """The trainable parameters of `module` by `named_parameters` name, as CPU copies in their own
+    """The trainable parameters of `module` by `named_parameters` name, as CPU tensors in their own
     dtype, to write out. Under ZeRO-3 each is gathered in turn from the ranks' partitions: a
-    collective that every rank enters; only ranks with `keep` hold the copies (the others get {})."""
-    import contextlib
-
+    collective that every rank enters; only ranks with `keep` hold the tensors (the others get {}).
+    Without ZeRO-3 a weight already on the CPU is returned itself, not a copy: write it out before
+    the next update."""
     out = {}
     for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        if zero3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters([param])
-        else:
-            gathered = contextlib.nullcontext()
-        with gathered:
-            if keep:
-                out[name] = param.detach().cpu().clone()
+        if param.requires_grad:
+            with gathered([param], zero3):
+                if keep:  # a gathered weight is freed on exit: keep a copy of it
+                    out[name] = param.detach().to("cpu", copy=zero3)
     return out
 
 

@@ -334,9 +334,7 @@ def check_out_dir(out: Path) -> None:
     """A ValueError naming `out` when `write_report` could not write there: `out` must be a
     directory or not exist yet (then its nearest existing parent must be a writable directory),
     and none of the report files in it may be a directory. Checked before any sampling."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file, not a directory (it would receive {', '.join(REPORT_FILES)})")
-    check_creatable_dir(out)
+    check_creatable_dir(out, holds=", ".join(REPORT_FILES))
     for name in REPORT_FILES:
         if (out / name).is_dir():
             raise ValueError(f"{out / name} is a directory: the report file cannot be written there")

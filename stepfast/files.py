@@ -6,18 +6,22 @@ import os
 from pathlib import Path
 
 
-def check_creatable_dir(path: str | Path) -> Path:
+def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     """`path` as a Path when it is a directory that can be written in, or does not exist yet and its
-    nearest existing parent is one; else a ValueError that names the path and what is wrong."""
+    nearest existing parent is one; else a ValueError that names the path and what is wrong.
+    `holds`: what the folder would receive, said when `path` is a file."""
     path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"{path} is a file, not a directory")
-        existing = path
-    else:
-        existing = next(p for p in path.absolute().parents if p.exists())
-        if not existing.is_dir():
-            raise ValueError(f"cannot create {path}: {existing} is a file, not a directory")
+    try:
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"{path} is a file, not a directory" + (f" (it would receive {holds})" if holds else ""))
+            existing = path
+        else:
+            existing = next(p for p in path.absolute().parents if p.exists())
+            if not existing.is_dir():
+                raise ValueError(f"cannot create {path}: {existing} is a file, not a directory")
+    except OSError as exc:  # exists() itself fails under a folder that may not be searched
+        raise ValueError(f"cannot check {path}: {exc.strerror or exc}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write in {existing}: permission denied")
     return path

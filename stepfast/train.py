@@ -27,6 +27,7 @@ from stepfast.config import ConfigError, load_config, to_dict
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
+from stepfast.files import check_creatable_dir
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.rewards.async_scoring import AsyncScorer
@@ -311,6 +312,11 @@ def main(argv=None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    try:  # on every rank, before the model loads, rather than at the first file written
+        check_creatable_dir(cfg.output_dir)
+    except ValueError as exc:
+        print(f"stepfast: config error: output_dir: {exc}", file=sys.stderr)
+        return 2
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
     try:

@@ -67,10 +67,13 @@ def test_dotted_overrides_and_types():
     ("eval.limit=-1", "eval.limit must be >= 0"),
     ("eval.min_images=-1", "eval.min_images must be >= 0"),
     (f"output_dir={__file__}", f"output_dir: {__file__!r} is a file, not a directory"),
-    (f"output_dir={__file__}/run", f"output_dir: cannot create {__file__}/run: {__file__} is a file"),
     ("optim.deepspeed={zero_optimization: {stage: 3}}",
      "optim.deepspeed.zero_optimization.stage is set by optim.zero_stage; set that instead"),
     ("optim.deepspeed={gradient_clipping: 2.0}", "optim.deepspeed.gradient_clipping is set by optim.grad_clip"),
+    ("optim.deepspeed={gradient_clipping: null}", "optim.deepspeed.gradient_clipping is set by optim.grad_clip"),
+    ("optim.deepspeed={bf16: {enabled: true}}", "optim.deepspeed.bf16.enabled is set by optim.precision"),
+    ("optim.deepspeed={zero_optimization: 0}",
+     "optim.deepspeed.zero_optimization must be a mapping (it holds stage), got 0"),
     ("optim.deepspeed=[1]", "optim.deepspeed: expected a mapping"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
@@ -158,10 +161,22 @@ def test_kl_penalty_needs_lora():
 def test_deepspeed_settings_merge_into_the_shipped_config():
     from stepfast.engine import deepspeed_config
 
-    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "fp16": {"loss_scale_window": 500}}
     cfg = load_config("default", [f"optim.deepspeed={offload}", "optim.zero_stage=3"])
     config = deepspeed_config(cfg.optim, micro_batch=4, accumulation=6)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_param_persistence_threshold"] == 100000  # the shipped file's
-    assert zero["offload_optimizer"] == {"device": "cpu"} and config["zero_force_ds_cpu_optimizer"] is False
+    assert zero["offload_optimizer"] == {"device": "cpu"}
+    assert config["fp16"] == {"enabled": False, "initial_scale_power": 16, "loss_scale_window": 500}
+    assert config["zero_force_ds_cpu_optimizer"] is False  # the optimizer is torch's AdamW, offloaded or not
     assert config["gradient_accumulation_steps"] == 6 and cfg.optim.deepspeed == offload  # not changed
+
+
+def test_an_output_dir_that_cannot_be_created_stops_the_trainer_before_it_starts(tmp_path, capsys):
+    from stepfast.train import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main([f"output_dir={blocker}/run"]) == 2
+    assert f"output_dir: cannot create {blocker}/run: {blocker} is a file" in capsys.readouterr().err
+    assert load_config("default", [f"output_dir={blocker}/run"]).output_dir == f"{blocker}/run"  # reading is fine
