@@ -29,3 +29,14 @@ def test_a_folder_without_write_permission_is_named(tmp_path, monkeypatch):
         check_creatable_dir(tmp_path / "new")
     with pytest.raises(ValueError, match=f"cannot write in {tmp_path}: permission denied"):
         check_creatable_dir(tmp_path)
+
+
+def test_a_folder_that_cannot_be_searched_is_named(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def exists(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "exists", exists)
+    with pytest.raises(ValueError, match=f"cannot check {tmp_path / 'run'}: Permission denied"):
+        check_creatable_dir(tmp_path / "run")
