@@ -239,6 +239,23 @@ def test_full_fine_tuning_checkpoints_the_transformer_and_its_ema(model_dir, tmp
     assert any(not torch.equal(ema[k], loaded[k]) for k in shadow)
 
 
+def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpointing(model_dir, tmp_path):
+    """model.dtype=bf16, optim.precision=bf16 and gradient checkpointing, as the SD3.5 presets set
+    them: the run trains (the first micro-step still on-policy to the bit) and saves an fp32 LoRA."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=2, model={"dtype": "bf16", "gradient_checkpointing": True},
+                      optim={"precision": "bf16"}, log={"report": False})  # fmt: skip
+    train(write_config(tmp_path / "cfg.yaml", cfg))
+    rows = metrics(out)
+    assert all(r["first_ratio_min"] == 1.0 == r["first_ratio_max"] for r in rows)
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    lora = load_file(out / "checkpoints" / "checkpoint-000002" / "lora" / "pytorch_lora_weights.safetensors")
+    assert all(v.dtype == torch.float32 for v in lora.values())
+    assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero: trained
+
+
 def test_deepspeed_settings_reach_the_engine_optimizer_offload_as_the_readme_shows(baseline, tmp_path):
     """optim.deepspeed as the README's example: the optimizer state offloaded to the CPU (torch's
     AdamW runs there; DeepSpeed would insist on its own compiled CPU Adam unless told otherwise).
