@@ -103,6 +103,22 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def check_world(path: Path, world: int) -> None:
+    """A ValueError naming checkpoint `path` when it was written by another number of ranks than
+    `world` (one RNG file per rank): DeepSpeed cannot re-split ZeRO's partitioned optimizer state."""
+    if not (Path(path) / "COMPLETE").exists():
+        return  # not a checkpoint at all: `load` says so
+    saved = len(list((Path(path) / "rng").glob("rank*.pt")))
+    if saved == 0:
+        raise ValueError(f"checkpoint {path} is marked complete but holds no rng/rank*.pt (a damaged checkpoint)")
+    if saved != world:
+        raise ValueError(
+            f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: DeepSpeed cannot "
+            f"re-split ZeRO's optimizer state across another number of ranks; resume with {saved} "
+            f"(deepspeed --num_gpus {saved}), or start a new run in another output_dir"
+        )
+
+
 def load(path: Path, engine, rank: int) -> dict:
     """Restore engine, RNG of this rank, and return the saved state dict."""
     path = Path(path)
@@ -115,9 +131,7 @@ def load(path: Path, engine, rank: int) -> dict:
         load_path, _ = engine.load_checkpoint(str(path / "engine"), tag="state")
         if load_path is None:
             raise FileNotFoundError(f"{path / 'engine'}: DeepSpeed found no engine state to load")
-        rng_file = path / "rng" / f"rank{rank}.pt"
-        if rng_file.exists():  # resuming on more ranks than saved: the new ranks keep fresh RNG
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(path / "rng" / f"rank{rank}.pt", weights_only=False))  # see check_world
         return torch.load(path / "state.pt", weights_only=False)
     except torch.cuda.OutOfMemoryError:
         raise

@@ -64,6 +64,8 @@ class Trainer:
             import_wandb()
         if cfg.resume != "none" and (self.out / "metrics.csv").exists():
             read_logged(self.out / "metrics.csv")
+        if self._resume_path() is not None:
+            checkpoint.check_world(self._resume_path(), world)
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
@@ -116,11 +118,16 @@ class Trainer:
                 )
         return [record.metadata["tag"] for record in self.prompts]
 
+    def _resume_path(self) -> Path | None:
+        """The checkpoint this run continues from: none, the newest complete one, or the one named."""
+        if self.cfg.resume == "none":
+            return None
+        return checkpoint.latest(self.out) if self.cfg.resume == "auto" else Path(self.cfg.resume)
+
     def resume(self) -> None:
-        cfg = self.cfg
-        if cfg.resume == "none":
+        if self.cfg.resume == "none":
             return
-        path = checkpoint.latest(self.out) if cfg.resume == "auto" else Path(cfg.resume)
+        path = self._resume_path()
         if path is None:
             if self.main:
                 print(f"stepfast: resume=auto found no checkpoint in {self.out}; starting fresh")

@@ -442,15 +442,19 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     assert_unchanged(out, files)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([], "already holds a run (metrics.csv, checkpoints)"),
-    (["resume=auto", "iterations=6"], "metrics.csv: cannot read the metrics logged so far"),
+@pytest.mark.parametrize("overrides, damage, message", [
+    ([], True, "already holds a run (metrics.csv, checkpoints)"),
+    (["resume=auto", "iterations=6"], True, "metrics.csv: cannot read the metrics logged so far"),
+    # the baseline ran on one rank: ZeRO's optimizer state cannot be split across two
+    (["resume=auto", "iterations=6"], False, "checkpoint-000004 was written by 1 rank(s) and this run has 2: "
+                                             "DeepSpeed cannot re-split ZeRO's optimizer state"),
 ])  # fmt: skip
-def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, message):
+def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, damage, message):
     """Every rank makes the start-up checks, so no rank is left waiting in a collective for one that
     stopped: the launcher exits with the error's code well inside the timeout, the run unchanged."""
     config, out, _ = copy_run(baseline, tmp_path)
-    (out / "metrics.csv").write_text("garbage,header\n1,2\n")
+    if damage:
+        (out / "metrics.csv").write_text("garbage,header\n1,2\n")
     files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     proc = train(config, *overrides, ranks=2, check=False, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -460,6 +464,7 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, messag
 
 @pytest.mark.parametrize("damage, overrides, message", [
     ("engine", [], "is marked complete but has no engine"),
+    ("rng", [], "is marked complete but holds no rng/rank*.pt"),
     ("truncate", [], "cannot be loaded into this run (RuntimeError"),
     (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
@@ -467,8 +472,8 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, messag
 def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, tmp_path, damage, overrides, message):
     config, out, _ = copy_run(baseline, tmp_path)
     newest = out / "checkpoints" / "checkpoint-000004"
-    if damage == "engine":
-        shutil.rmtree(newest / "engine")
+    if damage in ("engine", "rng"):
+        shutil.rmtree(newest / damage)
     elif damage == "truncate":
         (newest / "state.pt").write_bytes((newest / "state.pt").read_bytes()[:100])
     elif damage == "metrics":
