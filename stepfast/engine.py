@@ -94,14 +94,16 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
     return engine, optimizer, scheduler
 
 
-def gathered(params: list[torch.nn.Parameter], zero3: bool):
+def gathered(params: list[torch.nn.Parameter], zero3: bool, modify: bool = False):
     """A context in which `params` are whole on every rank: under ZeRO-3 they are gathered from the
-    ranks' partitions (a collective every rank enters) and partitioned again on exit."""
+    ranks' partitions (a collective every rank enters) and partitioned again on exit. DeepSpeed
+    drops what is written into them unless `modify`: then rank 0's values are partitioned back
+    (write the same values on every rank)."""
     if not zero3:
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
 
 
 class EMA:
@@ -114,8 +116,8 @@ class EMA:
         with self._gathered(module):
             self.shadow = {n: p.detach().float().clone() for n, p in module.named_parameters() if n in self.names}
 
-    def _gathered(self, module):
-        return gathered([p for n, p in module.named_parameters() if n in self.names], self.zero3)
+    def _gathered(self, module, modify: bool = False):
+        return gathered([p for n, p in module.named_parameters() if n in self.names], self.zero3, modify)
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
@@ -127,7 +129,7 @@ class EMA:
     @torch.no_grad()
     def swap(self, module: torch.nn.Module) -> None:
         """Exchange the model's trainable weights with the EMA's (call twice to restore)."""
-        with self._gathered(module):
+        with self._gathered(module, modify=True):
             for n, p in module.named_parameters():
                 if n in self.shadow:
                     current = p.detach().float().clone()
@@ -147,17 +149,26 @@ class EMA:
 
 @torch.no_grad()
 def trainable_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
-    """The trainable parameters of `module` by `named_parameters` name, as CPU tensors in their own
-    dtype, to write out. Under ZeRO-3 each is gathered in turn from the ranks' partitions: a
-    collective that every rank enters; only ranks with `keep` hold the tensors (the others get {}).
-    Without ZeRO-3 a weight already on the CPU is returned itself, not a copy: write it out before
-    the next update."""
+    """The trainable parameters of `module` by `named_parameters` name, as CPU tensors, to write out:
+    the optimizer's fp32 master copies where DeepSpeed keeps them (under bf16 or fp16 the module
+    holds only rounded copies), assembled from the ranks' partitions; else the module's own weights,
+    gathered under ZeRO-3. Collective: every rank enters it; only ranks with `keep` hold the tensors
+    (the others get {}). A weight already on the CPU outside ZeRO-3 is returned itself, not a copy:
+    write it out before the next update."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
     out = {}
     for name, param in module.named_parameters():
-        if param.requires_grad:
-            with gathered([param], zero3):
-                if keep:  # a gathered weight is freed on exit: keep a copy of it
-                    out[name] = param.detach().to("cpu", copy=zero3)
+        if not param.requires_grad:
+            continue
+        master = safe_get_full_fp32_param(param)  # None where no optimizer holds an fp32 copy
+        if master is not None:
+            if keep:
+                out[name] = master.detach().cpu()
+            continue
+        with gathered([param], zero3):
+            if keep:  # a gathered weight is freed on exit: keep a copy of it
+                out[name] = param.detach().to("cpu", copy=zero3)
     return out
 
 
