@@ -105,17 +105,24 @@ def prune(root: Path, keep: int) -> None:
 
 def check_world(path: Path, world: int) -> None:
     """A ValueError naming checkpoint `path` when it was written by another number of ranks than
-    `world` (one RNG file per rank): DeepSpeed cannot re-split ZeRO's partitioned optimizer state."""
-    if not (Path(path) / "COMPLETE").exists():
-        return  # not a checkpoint at all: `load` says so
-    saved = len(list((Path(path) / "rng").glob("rank*.pt")))
-    if saved == 0:
-        raise ValueError(f"checkpoint {path} is marked complete but holds no rng/rank*.pt (a damaged checkpoint)")
-    if saved != world:
+    `world` (DeepSpeed writes one optimizer shard per rank, and cannot re-split them), or when its
+    RNG files do not match its shards (a damaged checkpoint). Checks only a folder marked complete
+    that has its engine state: `load` names what else is missing."""
+    path = Path(path)
+    if not (path / "COMPLETE").exists() or not (path / "engine").is_dir():
+        return
+    shards = len(list((path / "engine").glob("*/zero_pp_rank_*_optim_states.pt")))
+    ranks = sorted(int(p.stem[4:]) for p in (path / "rng").glob("rank*.pt") if p.stem[4:].isdigit())
+    if shards == 0 or ranks != list(range(shards)):
         raise ValueError(
-            f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: DeepSpeed cannot "
-            f"re-split ZeRO's optimizer state across another number of ranks; resume with {saved} "
-            f"(deepspeed --num_gpus {saved}), or start a new run in another output_dir"
+            f"checkpoint {path} is marked complete but holds optimizer shards of {shards} rank(s) and RNG "
+            f"files of ranks {ranks or 'none'} (a damaged checkpoint)"
+        )
+    if shards != world:
+        raise ValueError(
+            f"checkpoint {path} was written by {shards} rank(s) and this run has {world}: DeepSpeed cannot "
+            f"re-split ZeRO's optimizer state across another number of ranks; resume on {shards} rank(s) "
+            "in total, or start a new run in another output_dir"
         )
 
 

@@ -21,7 +21,7 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
             if not existing.is_dir():
                 raise ValueError(f"cannot create {path}: {existing} is a file, not a directory")
     except OSError as exc:  # exists() itself fails under a folder that may not be searched
-        raise ValueError(f"cannot check {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot check {path} (can a folder above it be searched?): {exc.strerror or exc}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write in {existing}: permission denied")
     return path

@@ -64,8 +64,9 @@ class Trainer:
             import_wandb()
         if cfg.resume != "none" and (self.out / "metrics.csv").exists():
             read_logged(self.out / "metrics.csv")
-        if self._resume_path() is not None:
-            checkpoint.check_world(self._resume_path(), world)
+        self.resume_from = self._resume_path()
+        if self.resume_from is not None:
+            checkpoint.check_world(self.resume_from, world)
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
@@ -127,7 +128,7 @@ class Trainer:
     def resume(self) -> None:
         if self.cfg.resume == "none":
             return
-        path = self._resume_path()
+        path = self.resume_from
         if path is None:
             if self.main:
                 print(f"stepfast: resume=auto found no checkpoint in {self.out}; starting fresh")
@@ -309,6 +310,22 @@ class Trainer:
             print(f"stepfast: done; checkpoint {last}")
 
 
+def check_paths(cfg) -> None:
+    """A ConfigError naming output_dir when the run could not write there, or resume when its
+    checkpoint is not there."""
+    try:
+        check_creatable_dir(cfg.output_dir)
+    except ValueError as exc:
+        raise ConfigError(f"output_dir: {exc}") from None
+    if cfg.resume not in ("none", "auto"):
+        try:
+            found = Path(cfg.resume).is_dir()
+        except OSError as exc:
+            raise ConfigError(f"resume: cannot check {cfg.resume!r}: {exc.strerror or exc}") from None
+        if not found:
+            raise ConfigError(f"resume: checkpoint {cfg.resume!r} is not a directory (use auto, none or a checkpoint dir)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -320,9 +337,9 @@ def main(argv=None) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     try:  # on every rank, before the model loads, rather than at the first file written
-        check_creatable_dir(cfg.output_dir)
-    except ValueError as exc:
-        print(f"stepfast: config error: output_dir: {exc}", file=sys.stderr)
+        check_paths(cfg)
+    except ConfigError as exc:
+        print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -38,5 +39,6 @@ def test_a_folder_that_cannot_be_searched_is_named(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "exists", exists)
-    with pytest.raises(ValueError, match=f"cannot check {tmp_path / 'run'}: Permission denied"):
+    message = f"cannot check {tmp_path / 'run'} (can a folder above it be searched?): Permission denied"
+    with pytest.raises(ValueError, match=re.escape(message)):
         check_creatable_dir(tmp_path / "run")

@@ -474,7 +474,7 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, damage
 
 @pytest.mark.parametrize("damage, overrides, message", [
     ("engine", [], "is marked complete but has no engine"),
-    ("rng", [], "is marked complete but holds no rng/rank*.pt"),
+    ("rng", [], "holds optimizer shards of 1 rank(s) and RNG files of ranks none (a damaged checkpoint)"),
     ("truncate", [], "cannot be loaded into this run (RuntimeError"),
     (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
