@@ -271,6 +271,12 @@ def test_deepspeed_settings_reach_the_engine_optimizer_offload_as_the_readme_sho
     got, want = metrics(tmp_path / "run")[1], metrics(base_out)[1]
     for key in ("reward", "loss", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    # and the engine built from those settings does offload (the same updates would come without it)
+    probe = ("import torch; from stepfast.config import OptimConfig; from stepfast.engine import build_engine, "
+             "init_distributed; init_distributed(); engine, _, _ = build_engine(torch.nn.Linear(3, 2), "
+             f"OptimConfig(deepspeed={cfg['optim']['deepspeed']!r}), 1, 1); print('offload', engine.zero_cpu_offload())")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert "offload True" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_ema_swap_under_zero3_reaches_every_partition():
