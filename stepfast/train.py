@@ -95,7 +95,10 @@ class Trainer:
         self.engine, self.optimizer, self.scheduler = build_engine(
             self.pipe.transformer, cfg.optim, cfg.rollout.micro_batch, backward_calls // cfg.optim.updates_per_iteration
         )
-        self.estimator = grpo.Estimator(self.engine.module, cfg.rollout.cfg)
+        # ZeRO-3 gathers and frees every weight around each forward, so no CUDA graph can hold them
+        # (DeepSpeed does not support graphs with ZeRO-3): its estimates run eagerly
+        self.estimator = grpo.Estimator(self.engine.module, cfg.rollout.cfg,
+                                        use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False)  # fmt: skip
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
         self.start, self.evals = 1, {}
         self.resume()
