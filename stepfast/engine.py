@@ -107,34 +107,36 @@ def gathered(params: list[torch.nn.Parameter], zero3: bool, modify: bool = False
 
 
 class EMA:
-    """Exponential moving average of the trainable weights, kept in fp32 on each rank."""
+    """Exponential moving average of the trainable weights, kept in fp32 on each rank. Under ZeRO-3
+    each weight is gathered in turn (collectives every rank enters in the same order), so no more
+    than one weight is whole at a time besides the shadow."""
 
     def __init__(self, module: torch.nn.Module, decay: float, zero_stage: int):
         self.decay = decay
         self.zero3 = zero_stage == 3
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
-        with self._gathered(module):
-            self.shadow = {n: p.detach().float().clone() for n, p in module.named_parameters() if n in self.names}
+        self.shadow = {n: p.detach().float().clone() for n, p in self._each(module)}
 
-    def _gathered(self, module, modify: bool = False):
-        return gathered([p for n, p in module.named_parameters() if n in self.names], self.zero3, modify)
+    def _each(self, module, modify: bool = False):
+        """(name, weight) of every trainable weight, each whole while the caller holds it."""
+        names = set(self.names)
+        for n, p in module.named_parameters():
+            if n in names:
+                with gathered([p], self.zero3, modify):
+                    yield n, p
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
-        with self._gathered(module):
-            for n, p in module.named_parameters():
-                if n in self.shadow:
-                    self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+        for n, p in self._each(module):
+            self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
 
     @torch.no_grad()
     def swap(self, module: torch.nn.Module) -> None:
         """Exchange the model's trainable weights with the EMA's (call twice to restore)."""
-        with self._gathered(module, modify=True):
-            for n, p in module.named_parameters():
-                if n in self.shadow:
-                    current = p.detach().float().clone()
-                    p.copy_(self.shadow[n].to(p.dtype))
-                    self.shadow[n] = current
+        for n, p in self._each(module, modify=True):
+            current = p.detach().float().clone()
+            p.copy_(self.shadow[n].to(p.dtype))
+            self.shadow[n] = current
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "shadow": {k: v.cpu() for k, v in self.shadow.items()}}

@@ -1,5 +1,6 @@
-"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA swap under ZeRO-3 with every
-weight partitioned (persistence threshold 0). Prints one line per failed check, then OK or FAIL."""
+"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA's swap and update, and the
+checkpoint gather, under ZeRO-3 with every weight partitioned (persistence threshold 0). Prints one
+line per failed check, then OK or FAIL."""
 
 import sys
 
@@ -40,5 +41,8 @@ failed += [f"rank {rank}: the EMA of {n} was lost" for i, n in enumerate(sorted(
            if not torch.equal(ema.shadow[n], torch.full_like(ema.shadow[n], float(i + 2)))]
 saved = trainable_weights(engine.module, zero3=True, keep=True)
 failed += [f"rank {rank}: {n} saved wrong" for n in saved if not torch.equal(saved[n], before[n])]
+ema.update(engine.module)  # decay 0.5: halfway between the shadow and the weights
+failed += [f"rank {rank}: the EMA of {n} did not move halfway to the weights" for i, n in enumerate(sorted(ema.shadow))
+           if not torch.allclose(ema.shadow[n], 0.5 * (i + 2) + 0.5 * before[n])]
 print("\n".join(failed + ["FAIL" if failed else "OK"]))
 sys.exit(1 if failed else 0)
