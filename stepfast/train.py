@@ -147,7 +147,7 @@ class Trainer:
     def save(self, iteration: int) -> Path:
         state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals,
                  "ema": self.ema.state_dict() if self.ema is not None else None}  # fmt: skip
-        # collective under ZeRO-3 (every rank gathers each weight); rank 0 keeps the copies
+        # collective under ZeRO (every rank takes part in assembling each weight); rank 0 keeps them
         weights = trainable_weights(self.engine.module, self.cfg.optim.zero_stage == 3, keep=self.main)
         return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world,
                                lambda folder: self._save_weights(folder, weights),
