@@ -133,9 +133,14 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
             grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
                                max_rows=cfg.log.grid_prompts)  # fmt: skip
             grid.save(report / f"samples_{tag}.png")
-            lines += [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
+            lines += grid_link(tag)
     (report / "summary.md").write_text("\n".join(lines))
     return report
+
+
+def grid_link(tag: str) -> list[str]:
+    """The summary.md lines that show report/samples_{tag}.png."""
+    return [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
 
 
 # -- python -m stepfast.report RUN_DIR: rebuild the report folder of a finished run ----------------
@@ -225,10 +230,8 @@ def rebuild_report(run_dir) -> Path:
         raise RunFolderError(f"cannot write in {run_dir}: {exc}") from exc
     try:
         fresh = write_report(tmp, rows, evals, None, None, cfg)
-        lines = []
-        for tag in ("before", "after"):  # as write_report links them
-            if (report / f"samples_{tag}.png").is_file():
-                lines += [f"Samples {tag} training:", "", f"![{tag}](samples_{tag}.png)", ""]
+        lines = [line for tag in ("before", "after") if (report / f"samples_{tag}.png").is_file()
+                 for line in grid_link(tag)]  # fmt: skip
         if lines:
             summary = fresh / "summary.md"
             summary.write_text(summary.read_text() + "\n" + "\n".join(lines))
