@@ -114,14 +114,13 @@ class EMA:
     def __init__(self, module: torch.nn.Module, decay: float, zero_stage: int):
         self.decay = decay
         self.zero3 = zero_stage == 3
-        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.names = {n for n, p in module.named_parameters() if p.requires_grad}
         self.shadow = {n: p.detach().float().clone() for n, p in self._each(module)}
 
     def _each(self, module, modify: bool = False):
         """(name, weight) of every trainable weight, each whole while the caller holds it."""
-        names = set(self.names)
         for n, p in module.named_parameters():
-            if n in names:
+            if n in self.names:
                 with gathered([p], self.zero3, modify):
                     yield n, p
 
