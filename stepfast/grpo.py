@@ -172,13 +172,15 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
         c = cond.select(mb)
         for j in steps:
             x = traj.states[j, mb]
-            t = traj.grid[j].expand(x.shape[0]).to(device)
-            s = traj.grid[j + 1].expand(x.shape[0]).to(device)
-            v = velocity(engine, x, t, c, cfg.rollout.cfg)
+            # the times on the host for the SDE op, as the rollout passed them (the op's cached
+            # coefficient table, no GPU read-back), on the device for the model
+            t, s = traj.grid[j].expand(x.shape[0]), traj.grid[j + 1].expand(x.shape[0])
+            t_model = t.to(device)
+            v = velocity(engine, x, t_model, c, cfg.rollout.cfg)
             v_ref = None
             if cfg.optim.beta > 0:
                 with torch.no_grad(), reference_policy(engine.module):
-                    v_ref = velocity(engine.module, x, t, c, cfg.rollout.cfg)
+                    v_ref = velocity(engine.module, x, t_model, c, cfg.rollout.cfg)
             out = sde_logprob(cfg.sampler, x, v, t, s, traj.states[j + 1, mb], v_ref=v_ref,
                               convention=cfg.sde.logprob, **params)  # fmt: skip
             step = grpo_step_loss(out.log_prob, traj.log_probs[j, mb], adv[mb, j].to(device),

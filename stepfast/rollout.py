@@ -76,9 +76,10 @@ def sample_trajectory(
         out = sde.step(step_kind, x, v, t, s, noise=None if noise is None else noise[j],
                        generator=generator, **step_params)
         if trained[j]:
-            # the training-side op, so that the update recomputes these numbers bit for bit
-            lp = sde_logprob(kind, x, v, t, s, out.sample, convention=convention, reduce=reduce,
-                             patch_size=patch_size, **params).log_prob
+            # the training-side op, so that the update recomputes these numbers bit for bit; the times
+            # from the host grid, whose coefficient table the op caches without reading a GPU back
+            lp = sde_logprob(kind, x, v, grid[j].expand(b), grid[j + 1].expand(b), out.sample,
+                             convention=convention, reduce=reduce, patch_size=patch_size, **params).log_prob
         else:
             lp = torch.zeros(sde_logprob_shape(x, reduce, patch_size), device=x.device)
         x = out.sample
