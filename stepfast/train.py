@@ -28,6 +28,7 @@ from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
 from stepfast.files import check_creatable_dir
+from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.rewards.async_scoring import AsyncScorer
@@ -100,6 +101,12 @@ class Trainer:
         self.estimator = grpo.Estimator(self.engine.module, cfg.rollout.cfg,
                                         use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False)  # fmt: skip
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
+        if self.main:  # where the work runs (a capture that fails warns and runs eagerly)
+            setup = [f"{world} rank{'s' if world > 1 else ''} on {device.type}", f"SDE kernels {select_backend(device)}"]
+            if cfg.credit != "flow_grpo":
+                graph = device.type == "cuda" and cfg.optim.zero_stage < 3
+                setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
+            print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
         self.start, self.evals = 1, {}
         self.resume()
         if self.main:
@@ -164,10 +171,17 @@ class Trainer:
             save(module, folder / f"{name}_ema", weights=self.ema.shadow)
 
     # ---------------------------------------------------------------------------------------------
+    def _clock(self) -> float:
+        """The time once the GPU has done the work queued so far, so that each phase's time is its own
+        and not partly the next one's (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def iteration(self, it: int) -> dict[str, float]:
         cfg = self.cfg
         times = {}
-        t0 = time.perf_counter()
+        t0 = self._clock()
         batch = self.sampler.batch(it)
         records = [self.prompts[i] for i in batch.indices]
         texts = [r.prompt for r in records]
@@ -179,11 +193,11 @@ class Trainer:
         model = self.engine.module
         model.eval()
         traj = grpo.rollout(model, cond, x_init.to(self.device), noise.to(self.device), self.grid, cfg)
-        times["time/rollout"] = time.perf_counter() - t0
+        times["time/rollout"] = self._clock() - t0
 
         # the final images are scored (in the background with reward.async_scoring) while the
         # clean estimates of the intermediate states are computed
-        t0 = time.perf_counter()
+        t0 = self._clock()
         bs = cfg.reward.batch_size
         pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1]), texts, metas, bs)
         stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only
@@ -192,9 +206,9 @@ class Trainer:
             steps = est.shape[0]
             pending_est = grpo.submit_scores(self.scorer, est.flatten(0, 1), texts * steps,
                                              None if metas is None else metas * steps, bs)  # fmt: skip
-        times["time/estimates"] = time.perf_counter() - t0
+        times["time/estimates"] = self._clock() - t0
 
-        t0 = time.perf_counter()
+        t0 = self._clock()
         final = grpo.collect_scores(pending_final)
         local_rewards = torch.zeros(len(texts), cfg.sde.steps + 1)
         local_rewards[:, -1] = final["score"]
@@ -202,11 +216,11 @@ class Trainer:
             local_rewards[:, :-1] = grpo.collect_scores(pending_est)["score"].reshape(steps, -1).T
         global_rewards = all_gather_cat(local_rewards.to(self.device), self.world).cpu()
         adv = grpo.advantages(global_rewards, cfg)[batch.start: batch.start + len(texts)]
-        times["time/rewards"] = time.perf_counter() - t0
+        times["time/rewards"] = self._clock() - t0
 
-        t0 = time.perf_counter()
+        t0 = self._clock()
         stats = grpo.update(self.engine, cond, traj, adv, cfg, self.ema)
-        times["time/update"] = time.perf_counter() - t0
+        times["time/update"] = self._clock() - t0
 
         parts = {f"reward/{k}": float(v.mean()) for k, v in final.items() if not k.endswith("category")}
         metrics = {"reward": float(global_rewards[:, -1].mean()),
