@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every CUDA test and benchmark of the fused kernels and the CUDA-graph estimate engine, on one GPU.
-# Under 5 minutes on one H200 (most of it: compiling the Triton kernels once, building an
-# SD3.5-Medium-shaped transformer with random weights). Nothing is downloaded.
+# Every CUDA test and benchmark: the fused kernels, the CUDA-graph estimate engine and the trainer, on
+# one GPU. About 5 minutes on one H200 (most of it: compiling the Triton kernels once, the trainer runs,
+# building an SD3.5-Medium-shaped transformer with random weights). Nothing is downloaded.
 #
 #   bash benchmarks/gpu_check.sh                    # from any directory
 #   PYTHON=/path/to/python bash benchmarks/gpu_check.sh
@@ -10,11 +10,17 @@
 # Prints, in order:
 #   1. the CUDA tests: compiled Triton kernels against float64 (outputs and gradients, every sampler,
 #      reduction and dtype), on-policy bitwise equality, the CUDA-graph estimate engine against eager;
-#   2. the fused-vs-eager-vs-copy table on CUDA, and pytest-benchmark's records;
-#   3. the Triton ops' achieved HBM bandwidth as a fraction of STEPFAST_HBM_PEAK_BYTES_PER_S
+#   2. the trainer on the GPU (`python stepfast/train.py`, tiny model, fp32 and the SD3.5 presets' bf16
+#      with gradient checkpointing): Triton kernels and the graph in use, every first micro-step
+#      on-policy to the bit, and the fp32 run's first rewards against the same run on the CPU;
+#   3. the fused-vs-eager-vs-copy table on CUDA, and pytest-benchmark's records;
+#   4. the Triton ops' achieved HBM bandwidth as a fraction of STEPFAST_HBM_PEAK_BYTES_PER_S
 #      (default 4.8e12 B/s, an H200);
-#   4. the CUDA-graph estimate engine's speedup over the eager loop on an SD3.5-Medium-shaped
-#      SD3Transformer2DModel (24 layers, 24 heads x 64, joint_attention_dim 4096; bf16, random weights).
+#   5. the CUDA-graph estimate engine's speedup over the eager loop on an SD3.5-Medium-shaped
+#      SD3Transformer2DModel (24 layers, 24 heads x 64, joint_attention_dim 4096; bf16, random weights);
+#   6. seconds per training iteration, `default` (stepwise) against `flow_grpo`, on this GPU
+#      (benchmarks/test_bench_iteration.py; STEPFAST_BENCH_ITERATIONS, default 4 here, and
+#      STEPFAST_BENCH_REPEATS, default 1 here, set its size).
 # Exit status: non-zero when a test fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,6 +42,7 @@ if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU,
   fi
 fi
 export STEPFAST_HBM_PEAK_BYTES_PER_S="${STEPFAST_HBM_PEAK_BYTES_PER_S:-4.8e12}"
+export STEPFAST_BENCH_ITERATIONS="${STEPFAST_BENCH_ITERATIONS:-4}" STEPFAST_BENCH_REPEATS="${STEPFAST_BENCH_REPEATS:-1}"
 # the defaults under test: Triton on CUDA, compiled (not interpreted)
 unset STEPFAST_KERNELS TRITON_INTERPRET
 
@@ -89,9 +96,14 @@ common = ["-p", "no:cacheprovider", "-rfEs"]
 phases = [
     ("CUDA tests (compiled Triton kernels vs float64, CUDA-graph engine)",
      ["-q", *common, *no_plugin, "-k", "cuda", "tests/test_kernels.py", "tests/test_estimates.py"]),
+    ("The trainer on the GPU (Triton kernels, CUDA graph, on-policy ratios, fp32 against the CPU)",
+     ["-q", "-s", *common, *no_plugin, "-k", "cuda", "tests/test_train.py"]),
     ("CUDA benchmarks (fused vs eager vs copy, HBM bandwidth, CUDA-graph engine on SD3.5-Medium shapes)",
      ["-q", "-s", *common, *bench_opts, "-k", bench_filter, "benchmarks/test_bench_kernels.py"]),
 ]
+if not no_plugin:  # the iteration benchmark is a pytest-benchmark test
+    phases.append(("Seconds per iteration on this GPU: default (stepwise) vs flow_grpo",
+                   ["-q", "-s", *common, *bench_opts, "benchmarks/test_bench_iteration.py"]))
 status = 0
 start = time.time()
 for title, args in phases:
