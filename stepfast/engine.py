@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import socket
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,9 +29,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The JIT-built op DeepSpeed loads when the process group starts, and how long its build may hold
+# the lock (a build takes about a minute on 2 cores): a lock older than that was left by a killed build.
+SHM_OP = "deepspeed_shm_comm"
+STALE_LOCK_SECONDS = 300
+
+
+def stale_build_locks(root: str | os.PathLike | None = None, now: float | None = None) -> list[tuple[Path, float]]:
+    """(lock file, its time) of each build of DeepSpeed's shared-memory op locked for over STALE_LOCK_SECONDS.
+
+    DeepSpeed builds (or, once built, checks) its CPU shared-memory communication op whenever the
+    process group starts, with torch's cpp_extension under a lock file in $TORCH_EXTENSIONS_DIR. A start
+    killed while it holds the lock leaves the file, and every later start waits for it forever without
+    a word.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    try:
+        locks = sorted(root.glob(f"*/{SHM_OP}/lock"))
+    except OSError:
+        return []
+    stale = []
+    for lock in locks:
+        try:
+            since = lock.stat().st_mtime
+        except OSError:  # released meanwhile
+            continue
+        if now - since > STALE_LOCK_SECONDS:
+            stale.append((lock, since))
+    return stale
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or create) the process group; returns (rank, world size, device)."""
     import deepspeed
+
+    for lock, since in stale_build_locks():
+        print(f"stepfast: warning: DeepSpeed's {SHM_OP} op has been locked for building since "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(since))}, and DeepSpeed waits for the lock "
+              f"without end. If no other process is building it, a killed start left the lock: delete "
+              f"{lock}", file=sys.stderr, flush=True)  # fmt: skip
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -1,0 +1,61 @@
+"""The process-group start: a lock left by a killed build of DeepSpeed's op is named, not waited on in
+silence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, stale_build_locks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lock(root: Path, name: str, age: float) -> Path:
+    path = root / "py311_cpu" / name / "lock"
+    path.parent.mkdir(parents=True)
+    path.touch()
+    then = time.time() - age
+    os.utime(path, (then, then))
+    return path
+
+
+def test_only_an_old_lock_of_the_shm_op_is_stale(tmp_path):
+    assert stale_build_locks(tmp_path) == []
+    fresh = lock(tmp_path / "a", SHM_OP, age=10)  # a build running now: not stale
+    assert stale_build_locks(tmp_path / "a") == []
+    assert stale_build_locks(tmp_path / "a", now=time.time() + STALE_LOCK_SECONDS) == [(fresh, fresh.stat().st_mtime)]
+    lock(tmp_path / "b", "fused_adam", age=10 * STALE_LOCK_SECONDS)  # another op: not loaded at start
+    assert stale_build_locks(tmp_path / "b") == []
+    assert stale_build_locks(tmp_path / "missing") == []
+
+
+def test_the_trainer_names_a_stale_lock_before_deepspeed_waits_on_it(tmp_path):
+    """DeepSpeed waits on the lock without end: the warning is the only line the user gets."""
+    path = lock(tmp_path / "ext", SHM_OP, age=2 * STALE_LOCK_SECONDS)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), f"output_dir={tmp_path / 'run'}", "iterations=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []  # read in a thread: without the warning the process hangs with nothing to read
+    reader = threading.Thread(target=lambda: seen.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 240
+        while not any("stepfast: warning" in line for line in seen) and time.time() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+        reader.join(timeout=10)
+    warning = next((line for line in seen if "stepfast: warning" in line), None)
+    assert warning is not None, "".join(seen)[-3000:]
+    assert f"DeepSpeed's {SHM_OP} op has been locked for building since" in warning
+    assert f"delete {path}" in warning
+    assert not (tmp_path / "run").exists()  # stopped before anything was written
