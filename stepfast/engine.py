@@ -81,6 +81,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if not cuda:
+        release_shm_name(rank, world)
     if cuda:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
@@ -88,6 +90,30 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     return rank, world, device
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_buffer(rank: int) -> Path:
+    """The shared-memory segment of DeepSpeed's CPU all-reduce for this rank (csrc/cpu/comm/shm.cpp)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_name(rank: int, world: int) -> None:
+    """Remove the name of this rank's DeepSpeed all-reduce segment, keeping the memory mapped.
+
+    When the launcher says every rank shares the machine, DeepSpeed's CPU process group maps a 64 MiB
+    segment in /dev/shm per rank and never unlinks it: each `deepspeed --num_gpus N` run on CPU left
+    N x 64 MiB of RAM behind until reboot. Once every rank has mapped every segment (each rank maps its
+    peers' before init_distributed returns; the barrier waits for all of them), the names are no longer
+    needed: the mappings stay valid, and the memory is freed when the ranks exit, however they exit.
+    """
+    if world > 1:
+        dist.barrier()
+    with contextlib.suppress(FileNotFoundError):  # no segment: DeepSpeed's shm op is not in use
+        shm_buffer(rank).unlink()
 
 
 def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) -> dict:

@@ -24,7 +24,7 @@ from PIL import Image
 from stepfast import checkpoint, grpo
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
-from stepfast.engine import free_port
+from stepfast.engine import SHM_DIR, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "stepfast" / "train.py"
@@ -354,7 +354,10 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["optim"]["zero_stage"] = 2
     cfg["log"] = {"tensorboard": False, "report": False}
+    segments = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
     train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2)
+    # DeepSpeed's CPU all-reduce segments (64 MiB of RAM per rank) do not outlive the run
+    assert set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) <= segments
     got, want = metrics(tmp_path / "run"), metrics(base_out)
     assert [r["iteration"] for r in got] == [1, 2]
     keys = [k for k in want[0] if not k.startswith(("time/", "grad_norm"))]
