@@ -33,6 +33,8 @@ def free_port() -> int:
 # the lock (a build takes about a minute on 2 cores): a lock older than that was left by a killed build.
 SHM_OP = "deepspeed_shm_comm"
 STALE_LOCK_SECONDS = 300
+# Where DeepSpeed's CPU all-reduce keeps one shared-memory segment per rank (shm_open on Linux).
+SHM_DIR = Path("/dev/shm")
 
 
 def stale_build_locks(root: str | os.PathLike | None = None, now: float | None = None) -> list[tuple[Path, float]]:
@@ -81,18 +83,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not cuda:
-        release_shm_name(rank, world)
     if cuda:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
+        release_shm_name(rank, world)
         device = torch.device("cpu")
     return rank, world, device
-
-
-SHM_DIR = Path("/dev/shm")
 
 
 def shm_buffer(rank: int) -> Path:
@@ -104,9 +102,9 @@ def shm_buffer(rank: int) -> Path:
 def release_shm_name(rank: int, world: int) -> None:
     """Remove the name of this rank's DeepSpeed all-reduce segment, keeping the memory mapped.
 
-    When the launcher says every rank shares the machine, DeepSpeed's CPU process group maps a 64 MiB
+    When the launcher says every rank shares the machine, DeepSpeed's CPU process group maps a 66 MiB
     segment in /dev/shm per rank and never unlinks it: each `deepspeed --num_gpus N` run on CPU left
-    N x 64 MiB of RAM behind until reboot. Once every rank has mapped every segment (each rank maps its
+    N x 66 MiB of RAM behind until reboot. Once every rank has mapped every segment (each rank maps its
     peers' before init_distributed returns; the barrier waits for all of them), the names are no longer
     needed: the mappings stay valid, and the memory is freed when the ranks exit, however they exit.
     """
