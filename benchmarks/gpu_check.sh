@@ -10,9 +10,10 @@
 # Prints, in order:
 #   1. the CUDA tests: compiled Triton kernels against float64 (outputs and gradients, every sampler,
 #      reduction and dtype), on-policy bitwise equality, the CUDA-graph estimate engine against eager;
-#   2. the trainer on the GPU (`python stepfast/train.py`, tiny model, fp32 and the SD3.5 presets' bf16
-#      with gradient checkpointing): Triton kernels and the graph in use, every first micro-step
-#      on-policy to the bit, and the fp32 run's first rewards against the same run on the CPU;
+#   2. the trainer on the GPU (`python stepfast/train.py`, tiny model; fp32 and the SD3.5 presets' bf16
+#      with gradient checkpointing under ZeRO-2, fp32 under ZeRO-3): Triton kernels and the graph in
+#      use (eager under ZeRO-3), every first micro-step on-policy to the bit, and the fp32 run's first
+#      rewards against the same run on the CPU;
 #   3. the fused-vs-eager-vs-copy table on CUDA, and pytest-benchmark's records;
 #   4. the Triton ops' achieved HBM bandwidth as a fraction of STEPFAST_HBM_PEAK_BYTES_PER_S
 #      (default 4.8e12 B/s, an H200);
