@@ -101,10 +101,11 @@ class Trainer:
         self.estimator = grpo.Estimator(self.engine.module, cfg.rollout.cfg,
                                         use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False)  # fmt: skip
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
+        self.stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only: no estimates
         if self.main:  # where the work runs (a capture that fails warns and runs eagerly)
             setup = [f"{world} rank{'s' if world > 1 else ''} on {device.type}", f"SDE kernels {select_backend(device)}"]
-            if cfg.credit != "flow_grpo":
-                graph = device.type == "cuda" and cfg.optim.zero_stage < 3
+            if self.stepwise:
+                graph = device.type == "cuda" and self.estimator.engine.use_cuda_graph is not False
                 setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
             print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
         self.start, self.evals = 1, {}
@@ -200,8 +201,7 @@ class Trainer:
         t0 = self._clock()
         bs = cfg.reward.batch_size
         pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1]), texts, metas, bs)
-        stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only
-        if stepwise:
+        if self.stepwise:
             est = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg)
             steps = est.shape[0]
             pending_est = grpo.submit_scores(self.scorer, est.flatten(0, 1), texts * steps,
@@ -212,7 +212,7 @@ class Trainer:
         final = grpo.collect_scores(pending_final)
         local_rewards = torch.zeros(len(texts), cfg.sde.steps + 1)
         local_rewards[:, -1] = final["score"]
-        if stepwise:
+        if self.stepwise:
             local_rewards[:, :-1] = grpo.collect_scores(pending_est)["score"].reshape(steps, -1).T
         global_rewards = all_gather_cat(local_rewards.to(self.device), self.world).cpu()
         adv = grpo.advantages(global_rewards, cfg)[batch.start: batch.start + len(texts)]
@@ -226,7 +226,7 @@ class Trainer:
         metrics = {"reward": float(global_rewards[:, -1].mean()),
                    "reward_std": float(global_rewards[:, -1].std(correction=0)), **parts, **stats.summary(),
                    "lr": float(self.scheduler.get_last_lr()[0]), **times}  # fmt: skip
-        if stepwise:
+        if self.stepwise:
             metrics.update({f"gain/{j}": float(g) for j, g in enumerate(grpo.gain_magnitudes(global_rewards))})
         metrics = reduce_stats(metrics, self.world, self.device)
         # gathered, so the same on every rank: added after the reduction
