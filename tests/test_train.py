@@ -59,13 +59,14 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True):
+def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True, extra_env=None):
     if ranks == 1:
         cmd = [sys.executable, str(TRAIN), "--config", str(config), *overrides]
     else:
         cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(TRAIN),
                "--config", str(config), *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -289,11 +290,8 @@ def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_p
     assert (out / "checkpoints" / "checkpoint-000003" / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
     if (precision, stage) == ("fp32", 2):
         cpu_out = tmp_path / "cpu"
-        cpu_env = {**env(), "CUDA_VISIBLE_DEVICES": ""}
-        cmd = [sys.executable, str(TRAIN), "--config", str(config), f"output_dir={cpu_out}", "iterations=1",
-               "eval.before_after=false"]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = train(config, f"output_dir={cpu_out}", "iterations=1", "eval.before_after=false",
+                     extra_env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
         assert "1 rank on cpu" in proc.stdout
         cpu = metrics(cpu_out)[0]
         print(f"fp32 iteration 1, cuda - cpu: reward {rows[0]['reward'] - cpu['reward']:.2e}, "
