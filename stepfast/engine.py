@@ -194,13 +194,23 @@ class EMA:
         for n, p in self._each(module):
             self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
 
-    @torch.no_grad()
-    def swap(self, module: torch.nn.Module) -> None:
-        """Exchange the model's trainable weights with the EMA's (call twice to restore)."""
-        for n, p in self._each(module, modify=True):
-            current = p.detach().float().clone()
-            p.copy_(self.shadow[n].to(p.dtype))
-            self.shadow[n] = current
+    @contextlib.contextmanager
+    def applied(self, module: torch.nn.Module):
+        """A context in which the model's trainable weights are the EMA's (to evaluate with). On exit,
+        also on an error, the model gets its own weights back exactly: they wait on the CPU in their
+        own dtype, and the shadow is left as it is (swapping it with a bf16 model's weights would
+        round the EMA to bf16 at every evaluation)."""
+        saved = {}
+        with torch.no_grad():
+            for n, p in self._each(module, modify=True):
+                saved[n] = p.detach().to("cpu", copy=True)
+                p.copy_(self.shadow[n].to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self._each(module, modify=True):
+                    p.copy_(saved.pop(n).to(p.device))
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "shadow": {k: v.cpu() for k, v in self.shadow.items()}}

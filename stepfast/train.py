@@ -11,6 +11,7 @@ intermediate state, score them, turn rewards into per-step advantages, and updat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -258,15 +259,10 @@ class Trainer:
         cfg = self.cfg
         metas, plan, reward = self.eval_setup  # set at start whenever the config evaluates
         share, real = ev.shard(plan, self.rank, self.world)
-        if self.ema is not None:
-            self.ema.swap(self.engine.module)
-        try:
+        with self.ema.applied(self.engine.module) if self.ema is not None else contextlib.nullcontext():
             scored = ev.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg, batch_size=cfg.eval.batch_size,
                                        reward=reward, size=cfg.rollout.resolution,
                                        progress=self.main)  # fmt: skip
-        finally:
-            if self.ema is not None:
-                self.ema.swap(self.engine.module)
         scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
         if self.world > 1:
             pixels = scored.pop("pixels")  # the images are most of the bytes: scores alone go to every rank

@@ -59,3 +59,35 @@ def test_the_trainer_names_a_stale_lock_before_deepspeed_waits_on_it(tmp_path):
     assert f"DeepSpeed's {SHM_OP} op has been locked for building since" in warning
     assert f"delete {path}" in warning
     assert not (tmp_path / "run").exists()  # stopped before anything was written
+
+
+def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
+    """Evaluation computes with the EMA, then the model gets its own weights back bit for bit; the
+    shadow keeps its fp32 values, which a bf16 model cannot hold (it must not come back rounded)."""
+    import torch
+
+    from stepfast.engine import EMA
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    module[1].bias.requires_grad_(False)  # not trained: not the EMA's
+    ema = EMA(module, 0.9, zero_stage=2)
+    assert set(ema.shadow) == {"0.weight", "0.bias", "1.weight"}
+    ema.shadow = {n: torch.randn(v.shape) / 3 for n, v in ema.shadow.items()}  # values bf16 rounds
+    shadow = {n: v.clone() for n, v in ema.shadow.items()}
+    own = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for _ in range(2):  # twice: nothing drifts from one evaluation to the next
+        with ema.applied(module):
+            for n, p in module.named_parameters():
+                expected = shadow[n].to(torch.bfloat16) if n in shadow else own[n]
+                assert torch.equal(p.detach(), expected), n
+        for n, p in module.named_parameters():
+            assert torch.equal(p.detach(), own[n]), f"{n} was not given back"
+        for n in shadow:
+            assert torch.equal(ema.shadow[n], shadow[n]), f"the EMA of {n} came back rounded"
+    try:  # an error inside the context gives the weights back too
+        with ema.applied(module):
+            raise RuntimeError("evaluation failed")
+    except RuntimeError:
+        pass
+    assert all(torch.equal(p.detach(), own[n]) for n, p in module.named_parameters())

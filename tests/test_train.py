@@ -263,7 +263,7 @@ def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpoint
 def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_path, precision, stage):
     """On a GPU, the real trainer with its GPU paths: the Triton SDE kernels, the estimates' CUDA graph
     (captured at the first iteration, replayed at the next ones with new prompts; eager under ZeRO-3),
-    NCCL, the EMA swap and evaluation. Every iteration's first micro-step is on-policy to the bit. In
+    NCCL, the EMA applied for evaluation. Every iteration's first micro-step is on-policy to the bit. In
     fp32 the first iteration (before any update) gives the CPU run's rewards to within float error:
     the same noise, drawn on the CPU whatever the device; the GPU differs in summation order and TF32
     convolutions."""
@@ -312,10 +312,10 @@ def test_deepspeed_settings_reach_the_engine_optimizer_offload_as_the_readme_sho
     assert "offload True" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_ema_swap_under_zero3_reaches_every_partition():
-    """Evaluation swaps the EMA into the model: under ZeRO-3 on two ranks, with every weight split
-    across them, the model must compute with the EMA during the swap and get its weights back after
-    (DeepSpeed drops writes into gathered weights unless told which rank's to keep)."""
+def test_ema_applied_under_zero3_reaches_every_partition():
+    """Evaluation applies the EMA to the model: under ZeRO-3 on two ranks, with every weight split
+    across them, the model must compute with the EMA inside `EMA.applied` and get its weights back
+    after (DeepSpeed drops writes into gathered weights unless told which rank's to keep)."""
     cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests" / "zero3_ema_check.py")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA's swap and update, and the
+"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA applied to the model and its update, and the
 checkpoint gather, under ZeRO-3 with every weight partitioned (persistence threshold 0). Prints one
 line per failed check, then OK or FAIL."""
 
@@ -30,11 +30,10 @@ def whole():
 
 failed = []
 before = whole()
-ema.swap(engine.module)
-during = whole()
-failed += [f"rank {rank}: {n} is not the EMA during the swap" for n in during
+with ema.applied(engine.module):
+    during = whole()
+failed += [f"rank {rank}: {n} is not the EMA while it is applied" for n in during
            if not torch.equal(during[n], torch.full_like(during[n], float(sorted(ema.shadow).index(n) + 2)))]
-ema.swap(engine.module)
 after = whole()
 failed += [f"rank {rank}: {n} was not restored" for n in after if not torch.equal(after[n], before[n])]
 failed += [f"rank {rank}: the EMA of {n} was lost" for i, n in enumerate(sorted(ema.shadow))
