@@ -9,6 +9,7 @@ its LoRA adapter disabled, so no second copy of the weights is kept.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,12 +137,17 @@ def decode(pipe, latents: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
     return torch.cat(out)
 
 
-def save_transformer(transformer, directory: str | Path, weights: dict[str, torch.Tensor]) -> None:
+def save_transformer(
+    transformer, directory: str | Path, weights: dict[str, torch.Tensor], max_shard_size: int | str = "10GB"
+) -> None:
     """A fully fine-tuned transformer in diffusers' format (config.json and
-    diffusion_pytorch_model.safetensors: `SD3Transformer2DModel.from_pretrained(directory)`).
+    diffusion_pytorch_model.safetensors: `SD3Transformer2DModel.from_pretrained(directory)`); above
+    `max_shard_size`, split as diffusers splits it (diffusion_pytorch_model-0000k-of-0000n.safetensors
+    with an index), since one file of SD3.5-Large's 8B weights would be 16 GB.
 
     weights: every parameter by `named_parameters` name (gathered where ZeRO-3 partitions them, or
     the EMA's shadow), written in the transformer's dtype; its buffers are taken from the module."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     params = dict(transformer.named_parameters())
@@ -153,8 +159,16 @@ def save_transformer(transformer, directory: str | Path, weights: dict[str, torc
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     transformer.save_config(directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
-              directory / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    split = split_torch_state_dict_into_shards(
+        state, max_shard_size=max_shard_size, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
+    )
+    for filename, names in split.filename_to_tensors.items():
+        save_file({k: state[k].detach().cpu().contiguous() for k in names}, directory / filename,
+                  metadata={"format": "pt"})  # fmt: skip
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(text, encoding="utf-8")
 
 
 def save_lora(transformer, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:

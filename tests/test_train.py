@@ -240,6 +240,30 @@ def test_full_fine_tuning_checkpoints_the_transformer_and_its_ema(model_dir, tmp
     assert any(not torch.equal(ema[k], loaded[k]) for k in shadow)
 
 
+def test_a_transformer_above_the_shard_size_is_saved_in_shards_that_load_back(model_dir, tmp_path):
+    """save_transformer splits as diffusers does (numbered files and an index) above max_shard_size,
+    and the pieces load back through load_transformer as the weights given; below it, one file."""
+    from stepfast.models import load_pipeline, load_transformer
+    from stepfast.policy import save_transformer
+
+    pipe = load_pipeline(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    weights = {n: p.detach() + torch.randn(p.shape, generator=generator) for n, p in pipe.transformer.named_parameters()}
+    size = sum(v.numel() * v.element_size() for v in pipe.transformer.state_dict().values())
+    save_transformer(pipe.transformer, tmp_path / "sharded", weights, max_shard_size=size // 3)
+    save_transformer(pipe.transformer, tmp_path / "whole", weights)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("diffusion_pytorch_model-*.safetensors"))
+    assert len(shards) >= 3 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors"), shards
+    assert (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert not (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    for folder in ("sharded", "whole"):
+        fresh = load_transformer(load_pipeline(model_dir), tmp_path / folder).transformer
+        loaded = dict(fresh.named_parameters())
+        assert loaded.keys() == weights.keys()
+        assert all(torch.equal(loaded[n], weights[n].to(loaded[n].dtype)) for n in weights), folder
+
+
 def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpointing(model_dir, tmp_path):
     """model.dtype=bf16, optim.precision=bf16 and gradient checkpointing, as the SD3.5 presets set
     them: the run trains (the first micro-step still on-policy to the bit) and saves the optimizer's
