@@ -135,6 +135,36 @@ def geneval_table(categories: list[str], strict: np.ndarray, score: np.ndarray) 
     return {"categories": table, "overall": overall}
 
 
+def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, seed: int = 0) -> dict | None:
+    """The overall strict gain from `before` to `after`, two evaluations' "samples" records of the
+    same prompts and seeds, with its standard error over those draws: a paired bootstrap that
+    redraws each category's prompts, then each drawn prompt's seeds, with replacement, and takes
+    after minus before on the same images. It says how much the gain owes to which prompts and
+    seeds were drawn; the spread between training runs of different seeds comes on top of it.
+    None when the records do not pair up (other prompts or seeds)."""
+    pairs = {(s["prompt"], s["seed"]): [s["tag"], s["strict"], None] for s in before}
+    for s in after:
+        pair = pairs.get((s["prompt"], s["seed"]))
+        if pair is None or pair[0] != s["tag"] or pair[2] is not None:
+            return None
+        pair[2] = s["strict"]
+    if not pairs or not all(pair[2] is not None and math.isfinite(pair[1]) and math.isfinite(pair[2])
+                            for pair in pairs.values()):  # fmt: skip
+        return None  # unpaired, or a reward without pass/fail (strict NaN)
+    by_category: dict[str, dict[str, list[float]]] = {}
+    for (prompt, _), (tag, strict_before, strict_after) in pairs.items():
+        by_category.setdefault(tag, {}).setdefault(prompt, []).append(strict_after - strict_before)
+    rng = np.random.default_rng(seed)
+    gains = np.zeros(resamples)
+    for prompts in by_category.values():
+        diffs = [np.asarray(d) for d in prompts.values()]
+        for r in range(resamples):
+            drawn = [diffs[i][rng.integers(len(diffs[i]), size=len(diffs[i]))] for i in rng.integers(len(diffs), size=len(diffs))]
+            gains[r] += np.concatenate(drawn).mean() / len(by_category)
+    gain = float(np.mean([np.concatenate([np.asarray(d) for d in p.values()]).mean() for p in by_category.values()]))
+    return {"gain": gain, "se": float(gains.std(ddof=1)), "resamples": resamples}
+
+
 def seed_list(seeds: int | list[int]) -> list[int]:
     return list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
 

@@ -102,6 +102,17 @@ def gain_heatmap(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def held_out_gain(evals: dict) -> dict | None:
+    """`stepfast.evaluate.paired_gain` of evals["before"] to evals["after"] when both hold their
+    "samples" records (as eval_*.json do), else None."""
+    from stepfast.evaluate import paired_gain
+
+    samples = [evals.get(tag, {}).get("samples") for tag in ("before", "after")]
+    if not all(isinstance(s, list) for s in samples):
+        return None
+    return paired_gain(*samples)
+
+
 def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, after: dict | None, cfg) -> Path:
     from stepfast.evaluate import markdown_table, sample_grid
 
@@ -127,7 +138,14 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
             lines += [f"## Held-out evaluation {tag} training", "", markdown_table(evals[tag]), ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
-        lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
+        gain = held_out_gain(evals)
+        if gain is None:
+            lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
+        else:
+            lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
+                      "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
+                      f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
+                      "training seed spread on top of it.", ""]  # fmt: skip
     for tag, result in (("before", before), ("after", after)):
         if result is not None and "images" in result:
             grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
@@ -170,8 +188,18 @@ def _is_evaluation(result) -> bool:
             and isinstance(result.get("categories"), dict) and all(map(is_row, result["categories"].values())))
 
 
+def _are_samples(samples) -> bool:
+    """True for a list of per-image records with prompt, tag, seed and a numeric strict."""
+    return isinstance(samples, list) and all(
+        isinstance(s, dict) and isinstance(s.get("strict"), (int, float)) and isinstance(s.get("seed"), int)
+        and isinstance(s.get("prompt"), str) and isinstance(s.get("tag"), str)
+        for s in samples
+    )  # fmt: skip
+
+
 def read_evals(run_dir: Path) -> dict:
-    """{tag: {"overall", "categories"}} of the run's eval_before/iterNNNNNN/after.json, in that order."""
+    """{tag: {"overall", "categories"}} of the run's eval_before/iterNNNNNN/after.json, in that order;
+    before and after also with their "samples" records when the files hold them."""
     import json
     import re
 
@@ -188,6 +216,8 @@ def read_evals(run_dir: Path) -> dict:
             raise RunFolderError(f"{path}: not an evaluation result (needs \"overall\" and \"categories\" "
                                  "with strict, score and n)")  # fmt: skip
         found[tag] = {"overall": result["overall"], "categories": result["categories"]}
+        if tag in ("before", "after") and _are_samples(result.get("samples")):
+            found[tag]["samples"] = result["samples"]  # for the gain's standard error
 
     def order(tag):
         return (0, 0) if tag == "before" else (2, 0) if tag == "after" else (1, int(tag[4:]))

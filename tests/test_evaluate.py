@@ -44,6 +44,41 @@ def test_overall_is_the_mean_over_categories_not_over_images():
     assert list(table["categories"]) == ["counting", "position"]  # GenEval's order
 
 
+def records(strict: dict[tuple[str, str], list[float]]) -> list[dict]:
+    """Evaluation "samples" records: {(tag, prompt): strict of seeds 0, 1, ...}."""
+    return [{"prompt": prompt, "tag": tag, "seed": seed, "strict": float(x), "score": float(x)}
+            for (tag, prompt), values in strict.items() for seed, x in enumerate(values)]  # fmt: skip
+
+
+def test_paired_gain_is_the_overall_difference_with_a_bootstrap_standard_error():
+    rng = np.random.default_rng(1)
+    before = {("colors", f"p{i}"): rng.integers(0, 2, 4) for i in range(6)}
+    before.update({("single_object", "square"): rng.integers(0, 2, 32)})
+    after = {k: np.where(rng.random(len(v)) < 0.3, 1 - v, v) for k, v in before.items()}
+    gain = ev.paired_gain(records(before), records(after))
+    tables = [ev.geneval_table([s["tag"] for s in r], np.array([s["strict"] for s in r]), np.array([0.0] * len(r)))
+              for r in (records(before), records(after))]  # fmt: skip
+    assert gain["gain"] == pytest.approx(tables[1]["overall"]["strict"] - tables[0]["overall"]["strict"], abs=1e-12)
+    # One category of one prompt: the bootstrap redraws its seeds, so the standard error is that of a
+    # mean of n paired differences, std / sqrt(n) (the bootstrap's own std uses 1/n, not 1/(n-1)).
+    one = {("single_object", "square"): before[("single_object", "square")]}
+    moved = {("single_object", "square"): after[("single_object", "square")]}
+    d = (moved[("single_object", "square")] - one[("single_object", "square")]).astype(float)
+    single = ev.paired_gain(records(one), records(moved), resamples=4000)
+    assert single["se"] == pytest.approx(d.std(ddof=0) / np.sqrt(len(d)), rel=0.08)
+    # The same images before and after: no gain and no spread; the same draws give the same answer.
+    assert ev.paired_gain(records(before), records(before)) == {"gain": 0.0, "se": 0.0, "resamples": 1000}
+    assert ev.paired_gain(records(before), records(after)) == gain
+
+
+def test_paired_gain_needs_the_same_draws_with_a_pass_fail():
+    before = records({("colors", "a"): [1, 0], ("counting", "b"): [0, 0]})
+    for after in (before[:-1], before + before[:1], [dict(s, seed=s["seed"] + 1) for s in before],
+                  [dict(s, tag="position") for s in before], [dict(s, strict=float("nan")) for s in before]):
+        assert ev.paired_gain(before, after) is None
+    assert ev.paired_gain([], []) is None
+
+
 def test_limit_spreads_prompts_over_categories():
     picked = ev.spread_over_categories(load_metadata("test"), 8)
     assert len(picked) == 8

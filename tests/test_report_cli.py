@@ -121,3 +121,28 @@ def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, frag
     assert_cli_error(run_cli(str(run)), *fragments)
     assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == before
     assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
+
+
+def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_samples(run):
+    from stepfast.evaluate import paired_gain
+
+    run, _, _ = run
+    samples = {}
+    for k, tag in enumerate(("before", "after")):
+        result = json.loads((run / f"eval_{tag}.json").read_text())
+        result["samples"] = [{"prompt": f"p{i % 3}", "tag": ("colors", "counting")[i % 2], "seed": i,
+                              "strict": float((i * (k + 2)) % 3 == 0), "score": 0.5} for i in range(12)]  # fmt: skip
+        samples[tag] = result["samples"]
+        (run / f"eval_{tag}.json").write_text(json.dumps(result))
+    gain = paired_gain(samples["before"], samples["after"])
+    assert gain["se"] > 0
+    assert run_cli(str(run)).returncode == 0
+    assert f"± {gain['se']:.3f})**" in (run / "report" / "summary.md").read_text()
+    # records that are not per-image results are left out, and the gain is shown without its error
+    result = json.loads((run / "eval_after.json").read_text())
+    for bad in ([{"strict": 1.0}], [{"prompt": ["p0"], "tag": "colors", "seed": 0, "strict": 1.0}]):
+        (run / "eval_after.json").write_text(json.dumps({**result, "samples": bad}))
+        proc = run_cli(str(run))
+        assert proc.returncode == 0, proc.stderr
+        summary = (run / "report" / "summary.md").read_text()
+        assert "**Overall (strict): " in summary and "±" not in summary

@@ -401,8 +401,12 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         out = tmp_path / f"ranks{ranks}"
         cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0, eval=evaluation,
                           optim={"zero_stage": 3}, log={"tensorboard": False, "report": True})  # fmt: skip
-        train(write_config(tmp_path / f"cfg{ranks}.yaml", cfg), ranks=ranks)
+        proc = train(write_config(tmp_path / f"cfg{ranks}.yaml", cfg), ranks=ranks)
         results[ranks] = {tag: json.loads((out / f"eval_{tag}.json").read_text()) for tag in ("before", "after")}
+        # the gain with its standard error, printed and in the report
+        gain = results[ranks]["after"]["overall"]["strict"] - results[ranks]["before"]["overall"]["strict"]
+        assert f"stepfast: held-out gain {gain:+.3f} ± " in proc.stdout, proc.stdout[-2000:]
+        assert f"({gain:+.3f} ± " in (out / "report" / "summary.md").read_text()
     for tag in ("before", "after"):
         one, two = results[1][tag]["samples"], results[2][tag]["samples"]
         # 7 prompts: counting gets two (2 seeds each), the other categories one (3 seeds): 19 images
@@ -433,7 +437,25 @@ def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path
     scores = [s["score"] for s in before["samples"]]
     assert len(scores) == 2 and all(0 <= x <= 0.5 for x in scores)  # brightness in [0, 1], scaled by 0.5
     assert all(math.isnan(s["strict"]) for s in before["samples"])
-    assert (out / "report" / "summary.md").exists()
+    assert "held-out gain" not in proc.stdout  # no pass/fail, no gain in it
+    assert "±" not in (out / "report" / "summary.md").read_text()
+
+
+def test_a_broken_eval_file_in_the_run_folder_costs_only_the_gains_error(model_dir, tmp_path):
+    """The end of a run reads its eval_*.json back for the report; one it cannot read (here left in
+    the folder beforehand) gives a warning naming it, and the report from the run's own tables."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "eval_iter000099.json").write_text("{}")
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0,
+                      eval={"before_after": True, "reward": "train_helpers:brightness_eval", "limit": 2, "seeds": 1,
+                            "min_images": 0, "steps": 2},
+                      log={"tensorboard": False, "report": True})  # fmt: skip
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert "eval_iter000099.json: not an evaluation result" in proc.stderr and "warning" in proc.stderr
+    assert "held-out gain" not in proc.stdout
+    summary = (out / "report" / "summary.md").read_text()
+    assert "**Overall (strict): " in summary and "±" not in summary
 
 
 # --- bad input: a clear error, exit code 2, nothing lost ----------------------------------------
