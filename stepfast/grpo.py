@@ -84,19 +84,46 @@ class Estimator:
 
 
 @torch.no_grad()
-def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config) -> torch.Tensor:
+def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config,
+                    distinct: bool = True) -> torch.Tensor:
     """Decoded clean estimates [T, B, 3, H, W] of states 0..T-1 in sampling order: all T x B of them
-    as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity)."""
+    as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity).
+
+    distinct: estimate each distinct (state, time, prompt) once. With shared initial noise
+    (`rollout.same_latent`) a group's members start from one state and stay on one through the
+    sampler's deterministic first steps (ddim's std is 0 at t = 1), so their estimates there are one
+    image: 2 of the 10 states of the default run, computed once per group instead of once per member."""
     steps, b = traj.num_steps, traj.states.shape[1]
     shape = traj.states.shape[2:]
     index = torch.arange(b).repeat(steps)  # state j of sample i sits at j * B + i
-    x0 = estimator(
-        cond.select(index), traj.states[:-1].reshape(steps * b, *shape),
-        traj.grid[:-1].to(traj.states.device).repeat_interleave(b), cfg.rollout.substeps,
-        first_velocity=traj.velocities.reshape(steps * b, *shape),
-    )  # fmt: skip
+    states = traj.states[:-1].reshape(steps * b, *shape)
+    t = traj.grid[:-1].to(traj.states.device).repeat_interleave(b)
+    first_velocity = traj.velocities.reshape(steps * b, *shape)
+    keep = inverse = None
+    if distinct and cfg.rollout.same_latent:
+        prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
+        keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
+        index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
+    x0 = estimator(cond.select(index), states, t, cfg.rollout.substeps, first_velocity=first_velocity)
     images = decode(pipe, x0, batch_size=max(64, b))
+    if inverse is not None:
+        images = images[inverse.to(images.device)]
     return images.reshape(steps, b, *images.shape[1:])
+
+
+def distinct_rows(states: torch.Tensor, t: torch.Tensor, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, inverse) for rows [M, ...] with times t [M] and prompt ids [M]: `keep` the first row of
+    each set of rows equal in all three, in row order, and `inverse` each row's set, as a position in
+    `keep` (so that rows[keep][inverse] gives every row back)."""
+    key = torch.cat([states.flatten(1).float(), t[:, None].float(), prompt[:, None].float()], dim=1)
+    _, sets = torch.unique(key, dim=0, return_inverse=True)
+    m = key.shape[0]
+    first = torch.full((int(sets.max()) + 1,), m, dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, sets, torch.arange(m, device=key.device), reduce="amin")
+    keep, order = first.sort()  # the sets by their first row
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order), device=order.device)
+    return keep, position[sets]
 
 
 class InlineScorer:
