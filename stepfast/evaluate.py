@@ -159,9 +159,10 @@ def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, se
     for prompts in by_category.values():
         diffs = [np.asarray(d) for d in prompts.values()]
         for r in range(resamples):
-            drawn = [diffs[i][rng.integers(len(diffs[i]), size=len(diffs[i]))] for i in rng.integers(len(diffs), size=len(diffs))]
+            prompts_drawn = rng.integers(len(diffs), size=len(diffs))
+            drawn = [diffs[i][rng.integers(len(diffs[i]), size=len(diffs[i]))] for i in prompts_drawn]
             gains[r] += np.concatenate(drawn).mean() / len(by_category)
-    gain = float(np.mean([np.concatenate([np.asarray(d) for d in p.values()]).mean() for p in by_category.values()]))
+    gain = float(np.mean([np.concatenate(list(p.values())).mean() for p in by_category.values()]))
     return {"gain": gain, "se": float(gains.std(ddof=1)), "resamples": resamples}
 
 
