@@ -277,6 +277,8 @@ class Trainer:
         settings = ev.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
         result = ev.summarise(plan, scored, settings, keep_images and self.main)
         self.evals[tag] = {"overall": result["overall"], "categories": result["categories"]}
+        if tag in ("before", "after"):  # every image's result, for the gain's standard error (also after a resume)
+            self.evals[tag]["samples"] = result["samples"]
         if self.main:
             write_json(self.out / f"eval_{tag}.json", {k: v for k, v in result.items() if k != "images"})
             print(f"stepfast: eval {tag}: overall strict {result['overall']['strict']:.3f} "
@@ -313,20 +315,15 @@ class Trainer:
         finally:
             bar.close()
         after = self.evaluate("after", keep_images=True) if cfg.eval.before_after else None
-        if self.main and (cfg.eval.before_after or cfg.log.report):
-            from stepfast.report import RunFolderError, held_out_gain, read_evals, write_report
+        if self.main:
+            from stepfast.report import held_out_gain, write_report
 
-            try:  # what this run's eval_*.json hold (with every image's result), as `python -m stepfast.report` reads them
-                evals = read_evals(self.out)
-            except RunFolderError as exc:  # a file changed by hand since: the tables this run keeps will do
-                print(f"stepfast: warning: {exc}; the report uses the evaluations in memory", file=sys.stderr)
-                evals = self.evals
-            gain = held_out_gain(evals)
+            gain = held_out_gain(self.evals)
             if gain is not None:
                 print(f"stepfast: held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} "
                       "(one standard error over the prompts and seeds drawn)")  # fmt: skip
             if cfg.log.report:
-                write_report(self.out, self.logger.rows, evals, before, after, cfg)
+                write_report(self.out, self.logger.rows, self.evals, before, after, cfg)
         self.logger.close()
         self.scorer.close()
         if self.main and last is not None:

@@ -1,5 +1,5 @@
-"""The process-group start: a lock left by a killed build of DeepSpeed's op is named, not waited on in
-silence."""
+"""The engine: at the process-group start a lock left by a killed build of DeepSpeed's op is named, not
+waited on in silence; the EMA applied for evaluation gives the model its weights back exactly."""
 
 from __future__ import annotations
 

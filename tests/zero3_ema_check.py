@@ -1,6 +1,6 @@
-"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA applied to the model and its update, and the
-checkpoint gather, under ZeRO-3 with every weight partitioned (persistence threshold 0). Prints one
-line per failed check, then OK or FAIL."""
+"""Run by tests/test_train.py under `deepspeed --num_gpus 2`: the EMA applied to the model and its
+update, and the checkpoint gather, under ZeRO-3 with every weight partitioned (persistence threshold
+0). Prints one line per failed check, then OK or FAIL."""
 
 import sys
 
