@@ -154,23 +154,23 @@ class Trainer:
             print(f"stepfast: resumed from {path} at iteration {self.start}")
 
     def save(self, iteration: int) -> Path:
-        state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals,
-                 "ema": self.ema.state_dict() if self.ema is not None else None}  # fmt: skip
         # collective under ZeRO (every rank takes part in assembling each weight); rank 0 keeps them
+        ema = self.ema.state_dict(keep=self.main) if self.ema is not None else None
         weights = trainable_weights(self.engine.module, self.cfg.optim.zero_stage == 3, keep=self.main)
+        state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals, "ema": ema}
         return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world,
-                               lambda folder: self._save_weights(folder, weights),
+                               lambda folder: self._save_weights(folder, weights, ema),
                                keep=self.cfg.keep_checkpoints)  # fmt: skip
 
-    def _save_weights(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+    def _save_weights(self, folder: Path, weights: dict[str, torch.Tensor], ema: dict | None) -> None:
         """Into a checkpoint folder, in diffusers' format: the adapter as trained in `lora/` (full
         fine-tuning: the transformer in `transformer/`); with EMA on, also the EMA weights (what
         evaluation samples with) in `lora_ema/` (`transformer_ema/`)."""
         module = self.engine.module
         save, name = (save_lora, "lora") if self.cfg.model.lora else (save_transformer, "transformer")
         save(module, folder / name, weights=weights)
-        if self.ema is not None:
-            save(module, folder / f"{name}_ema", weights=self.ema.shadow)
+        if ema is not None:
+            save(module, folder / f"{name}_ema", weights=ema["shadow"])
 
     # ---------------------------------------------------------------------------------------------
     def _clock(self) -> float:

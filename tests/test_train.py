@@ -348,12 +348,14 @@ def test_ema_applied_under_zero3_reaches_every_partition():
 @pytest.mark.parametrize("lora", [True, False])
 def test_zero3_checkpoints_gather_partitioned_weights(model_dir, tmp_path, lora):
     """Under ZeRO-3 a weight above stage3_param_persistence_threshold lives in pieces across the
-    ranks: the checkpoint's LoRA or transformer is gathered whole. Threshold 0 partitions every
-    weight; lr 0 keeps the initial ones, which are known: the base transformer, LoRA B zero."""
+    ranks: the checkpoint's LoRA or transformer is gathered whole, and so is the EMA, which each rank
+    keeps in part. Threshold 0 partitions every weight; lr 0 keeps the initial ones, which are known:
+    the base transformer, LoRA B zero; and the EMA of unchanging weights is those weights."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    zero3 = {"zero_stage": 3, "lr": 0.0, "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    zero3 = {"zero_stage": 3, "lr": 0.0, "ema": 0.5,
+             "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}  # fmt: skip
     cfg = base_config(model_dir, out, iterations=1, model={"lora": lora}, optim=zero3, log={"report": False})
     train(write_config(tmp_path / "cfg.yaml", cfg), ranks=2)
     ckpt = out / "checkpoints" / "checkpoint-000001"
@@ -368,6 +370,14 @@ def test_zero3_checkpoints_gather_partitioned_weights(model_dir, tmp_path, lora)
         base = load_file(model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
         assert saved.keys() == base.keys()
         assert all(torch.equal(saved[k], base[k].float()) for k in base)
+    name = "lora/pytorch_lora_weights" if lora else "transformer/diffusion_pytorch_model"
+    ema = load_file(ckpt / f"{name.replace('/', '_ema/')}.safetensors")
+    assert ema.keys() == saved.keys() and all(torch.equal(ema[k], saved[k]) for k in saved)
+    shadow = torch.load(ckpt / "state.pt", weights_only=False)["ema"]["shadow"]
+    if lora:  # state.pt names the adapter's weights as the model does, the file as diffusers does
+        assert sorted(tuple(v.shape) for v in shadow.values()) == sorted(tuple(v.shape) for v in saved.values())
+    else:
+        assert len(shadow) > 0 and all(torch.equal(shadow[k], saved[k]) for k in shadow)
 
 
 def test_two_ranks_equal_one_rank(baseline, tmp_path):
