@@ -13,7 +13,10 @@ from pathlib import Path
 
 class MetricsLogger:
     def __init__(self, output_dir, enabled: bool, tensorboard: bool = True, wandb: bool = False,
-                 wandb_project: str = "stepfast", config: dict | None = None, resume_from: int = 0):
+                 wandb_project: str = "stepfast", config: dict | None = None, resume_from: int = 0,
+                 logged: list[dict] | None = None):  # fmt: skip
+        """resume_from: the iteration the run continues after; rows past it are dropped. logged: the
+        rows of output_dir's metrics.csv when the caller has read them already (`read_logged`)."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.csv"
         self.rows: list[dict] = []
@@ -21,8 +24,10 @@ class MetricsLogger:
         if not enabled:
             return
         wandb_module = import_wandb() if wandb else None  # before anything is rewritten
-        if self.path.exists():
-            self.rows = [r for r in read_logged(self.path) if r["iteration"] <= resume_from]
+        if logged is None and self.path.exists():
+            logged = read_logged(self.path)
+        if logged is not None:
+            self.rows = [r for r in logged if r["iteration"] <= resume_from]
             self._rewrite()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -61,11 +61,11 @@ class Trainer:
                     f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
                     "newest checkpoint with resume=auto, or give another output_dir"
                 )
-        # checked on every rank before the model loads (they would wait in a collective for rank 0)
+        # checked on every rank before the model loads (they would wait in a collective for rank 0):
+        # wandb when asked for, and the metrics logged so far (read once, here)
         if cfg.log.wandb:
             import_wandb()
-        if cfg.resume != "none" and (self.out / "metrics.csv").exists():
-            read_logged(self.out / "metrics.csv")
+        logged = read_logged(self.out / "metrics.csv") if (self.out / "metrics.csv").exists() else None
         self.resume_from = self._resume_path()
         if self.resume_from is not None:
             checkpoint.check_world(self.resume_from, world)
@@ -114,7 +114,8 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(self.out, self.main, cfg.log.tensorboard, cfg.log.wandb,
-                                    cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1)  # fmt: skip
+                                    cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
+                                    logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -1,0 +1,30 @@
+"""The metrics log on resume: rows past the checkpoint are dropped and the file rewritten, from the rows
+the trainer read at start (checked there, before the model loads) without reading the file again."""
+
+import pytest
+
+from stepfast import metrics
+from stepfast.metrics import MetricsLogger, read_logged
+
+
+def write_log(path, rows):
+    logger = MetricsLogger(path, enabled=True, tensorboard=False)
+    for it, reward in rows:
+        logger.log(it, {"reward": reward})
+    logger.close()
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_resume_keeps_the_rows_up_to_the_checkpoint(tmp_path, monkeypatch, given):
+    write_log(tmp_path, [(1, 0.5), (2, 0.25), (3, 0.125)])
+    logged = read_logged(tmp_path / "metrics.csv")
+    if given:  # the rows handed over are the ones used: the file is not read a second time
+        monkeypatch.setattr(metrics, "read_logged", lambda *a, **k: pytest.fail("metrics.csv read again"))
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_from=2,
+                           logged=logged if given else None)  # fmt: skip
+    logger.log(3, {"reward": 1.0})
+    logger.close()
+    monkeypatch.undo()
+    assert read_logged(tmp_path / "metrics.csv") == [
+        {"iteration": 1, "reward": 0.5}, {"iteration": 2, "reward": 0.25}, {"iteration": 3, "reward": 1.0}
+    ]
