@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .coefficients import CA, CB, GKL, GLP, KL_SCALE, NUM_COEFS
-from .sde_step import BLOCK, LAUNCH, _add, finish_log_prob, launcher, tile_config
+from .sde_step import BLOCK, LAUNCH, _add, _token_tile, finish_log_prob, launcher, tile_config
 
 _CA = tl.constexpr(CA)
 _CB = tl.constexpr(CB)
@@ -59,26 +59,14 @@ def _sde_logprob_fwd_kernel(
     b = tl.program_id(1).to(tl.int64)
     ca = tl.load(coef_ptr + b * _NUM_COEFS + _CA)
     cb = tl.load(coef_ptr + b * _NUM_COEFS + _CB)
-    if TOKENS:
-        # same tile as _sde_step_fwd_kernel: [rows (c, r), patches of one patch row, columns in a patch]
-        Wp = W // P
-        n_wblk = (Wp + BLOCK_T - 1) // BLOCK_T
-        hp = pid // n_wblk
-        wp = (pid % n_wblk) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rr = tl.arange(0, BLOCK_R)
-        q = tl.arange(0, BLOCK_Q)
-        c = rr // P
-        r = rr % P
-        row_off = c * (H * W) + (hp * P + r) * W
-        col_off = wp[:, None] * P + q[None, :]
-        offs = b * N + row_off[:, None, None] + col_off[None, :, :]
-        mask = (rr < C * P)[:, None, None] & ((wp[:, None] < Wp) & (q[None, :] < P))[None, :, :]
+    if TOKENS:  # the tiles of _sde_step_fwd_kernel
+        offs, mask, patch, patch_mask = _token_tile(pid, b, N, H, W, C, P, BLOCK_R, BLOCK_T, BLOCK_Q)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         d = s - (ca * x + cb * v)
         per_patch = tl.reduce(tl.reduce(d * d, 2, _add), 0, _add)
-        tl.store(partial_ptr + b * n_prog + hp * Wp + wp, per_patch, mask=wp < Wp)
+        tl.store(partial_ptr + b * n_prog + patch, per_patch, mask=patch_mask)
         if HAS_KL:
             vr = tl.load(vr_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             dv = v - vr

@@ -15,6 +15,7 @@ On a CPU tensor the kernel runs in the Triton interpreter (see `launcher`), what
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import triton
@@ -51,6 +52,29 @@ LAUNCH = dict(num_warps=8, enable_fp_fusion=False)
 
 
 @triton.jit
+def _token_tile(pid, b, N, H, W, C, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_Q: tl.constexpr):  # fmt: skip
+    """Program `pid`'s tile of sample `b` for the per-patch reduction: [rows (c, r), patches of one
+    patch row, columns inside a patch], the last two contiguous in memory; the program covers patch
+    row hp and a block of patch columns wp. Returns the element offsets and mask of the tile, and the
+    index of each of its patches (hp * Wp + wp) with their mask. Shared by the step and the log-prob
+    kernels, whose bit-for-bit agreement needs the same tiles."""
+    Wp = W // P
+    n_wblk = (Wp + BLOCK_T - 1) // BLOCK_T
+    hp = pid // n_wblk
+    wp = (pid % n_wblk) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rr = tl.arange(0, BLOCK_R)
+    q = tl.arange(0, BLOCK_Q)
+    c = rr // P
+    r = rr % P
+    row_off = c * (H * W) + (hp * P + r) * W  # [BLOCK_R]
+    col_off = wp[:, None] * P + q[None, :]  # [BLOCK_T, BLOCK_Q]
+    offs = b * N + row_off[:, None, None] + col_off[None, :, :]
+    mask = (rr < C * P)[:, None, None] & ((wp[:, None] < Wp) & (q[None, :] < P))[None, :, :]
+    return offs, mask, hp * Wp + wp, wp < Wp
+
+
+@triton.jit
 def _sde_step_fwd_kernel(
     x_ptr,
     v_ptr,
@@ -76,20 +100,7 @@ def _sde_step_fwd_kernel(
     cb = tl.load(coef_ptr + b * _NUM_COEFS + _CB)
     sd = tl.load(coef_ptr + b * _NUM_COEFS + _STD)
     if TOKENS:
-        # tile [rows (c, r), patches of one patch row, columns inside a patch]; the last two are
-        # contiguous in memory. Program pid: patch row hp, block of patch columns.
-        Wp = W // P
-        n_wblk = (Wp + BLOCK_T - 1) // BLOCK_T
-        hp = pid // n_wblk
-        wp = (pid % n_wblk) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rr = tl.arange(0, BLOCK_R)
-        q = tl.arange(0, BLOCK_Q)
-        c = rr // P
-        r = rr % P
-        row_off = c * (H * W) + (hp * P + r) * W  # [BLOCK_R]
-        col_off = wp[:, None] * P + q[None, :]  # [BLOCK_T, BLOCK_Q]
-        offs = b * N + row_off[:, None, None] + col_off[None, :, :]
-        mask = (rr < C * P)[:, None, None] & ((wp[:, None] < Wp) & (q[None, :] < P))[None, :, :]
+        offs, mask, patch, patch_mask = _token_tile(pid, b, N, H, W, C, P, BLOCK_R, BLOCK_T, BLOCK_Q)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -98,7 +109,7 @@ def _sde_step_fwd_kernel(
         tl.store(sample_ptr + offs, sample, mask=mask)
         d = sample - mean  # exactly 0 where masked
         per_patch = tl.reduce(tl.reduce(d * d, 2, _add), 0, _add)  # [BLOCK_T]
-        tl.store(partial_ptr + b * n_prog + hp * Wp + wp, per_patch, mask=wp < Wp)
+        tl.store(partial_ptr + b * n_prog + patch, per_patch, mask=patch_mask)
     else:
         idx = pid * BLOCK + tl.arange(0, BLOCK)
         mask = idx < N
@@ -133,9 +144,18 @@ def tile_config(x: torch.Tensor, patch_size: int | None) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _interpreted(kernel):
+    """`kernel` run by the interpreter. The device functions it calls from this package (such as
+    `_token_tile`) are @triton.jit functions too, which only a compiled kernel can call: the
+    interpreted kernel runs with globals in which they are interpreted as well."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return InterpretedFunction(kernel.fn)
+    fn = kernel.fn
+    helpers = {name: InterpretedFunction(value.fn) for name, value in fn.__globals__.items()
+               if name in fn.__code__.co_names and isinstance(value, triton.JITFunction)
+               and value.fn.__module__.startswith(__package__)}  # fmt: skip
+    if helpers:  # the interpreter runs its rewrite of the kernel in the kernel's globals
+        fn = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__)
+    return InterpretedFunction(fn)
 
 
 def launcher(kernel, device: torch.device):

@@ -9,7 +9,8 @@ float64 (sde.py itself computes in float32), differentiated by autograd. Accepta
 Shapes are odd on purpose (prime sizes, batch 1, patch 3, non-contiguous views, several blocks per sample).
 The triton backend runs in the Triton interpreter on CPU tensors (kernels/sde_step.py `launcher`), so
 these tests need no TRITON_INTERPRET setting and no particular import order. Tests whose id contains
-"cuda" run the compiled kernels when a GPU is present (benchmarks/gpu_check.sh).
+"cuda" run the compiled kernels when a GPU is present (benchmarks/gpu_check.sh); without one, the
+compiler still builds every kernel launch for sm_80 and sm_90 (`test_triton_kernels_compile_for_nvidia_gpus`).
 """
 
 from __future__ import annotations
@@ -577,3 +578,71 @@ def test_cpp_op_under_torch_compile():
         fn(v, v_ref).backward()
         grads.append((v.grad, v_ref.grad))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def _ptxas_available() -> bool:
+    """ptxas as triton finds it: its NVIDIA backend's bin/, TRITON_PTXAS_PATH or the PATH."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import triton
+
+    shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return shipped.is_file() or bool(os.environ.get("TRITON_PTXAS_PATH")) or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (ptxas) is not installed")
+@pytest.mark.parametrize("case", ["mean_prime", "tokens_p3_transposed"])
+def test_triton_kernels_compile_for_nvidia_gpus(monkeypatch, case):
+    """The compiled Triton path, which the interpreter never takes: every launch the host code makes
+    for a rollout step and a training log-prob with KL and its backward (float32 and bfloat16 inputs)
+    is compiled to a cubin for sm_80 and sm_90 with the launch's own arguments, constants and options
+    (no GPU needed: triton's ptxas). A kernel the compiler rejects fails here, not on the first GPU."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launches = []
+
+    class Recorder:  # what `launcher(kernel, device)[grid](*args, **kwargs)` would have run
+        def __init__(self, kernel, device):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    for module in ("sde_step", "sde_logprob"):
+        monkeypatch.setattr(importlib.import_module(f"stepfast.kernels.{module}"), "launcher", Recorder)
+    pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = make_inputs("ddim", case)
+        x, v, noise = (inp[k].to(dtype) for k in ("x_t", "v", "noise"))
+        kw = {"reduce": inp["reduce"], "patch_size": inp["patch_size"], "backend": "triton"}
+        sample, _ = sde_step_with_logprob("ddim", x, v, inp["t"], inp["s"], noise, **kw)
+        v, v_ref = v.clone().requires_grad_(), inp["v_ref"].to(dtype).requires_grad_()
+        lp, kl = sde_logprob("ddim", x, v, inp["t"], inp["s"], sample, v_ref, **kw)
+        (lp.sum() + kl.sum()).backward()
+    names = sorted({kernel.fn.__name__ for kernel, _, _ in launches})
+    assert names == ["_sde_logprob_bwd_kernel", "_sde_logprob_fwd_kernel", "_sde_step_fwd_kernel"]
+    for kernel, args, kwargs in launches:
+        kwargs = dict(kwargs)
+        options = {k: kwargs.pop(k) for k in ("num_warps", "enable_fp_fusion")}
+        values = dict(zip([p.name for p in kernel.params], args), **kwargs)
+        signature, constants = {}, {}
+        for i, param in enumerate(kernel.params):
+            value = values[param.name]
+            if param.is_constexpr:
+                signature[param.name], constants[(i,)] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = pointer[value.dtype]
+            elif value is None:  # an unused pointer (no KL, no v_ref gradient)
+                signature[param.name] = "*fp32"
+            else:
+                signature[param.name] = "i32" if abs(value) < 2**31 else "i64"
+        for arch in (80, 90):
+            compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32),
+                                      options=options)  # fmt: skip
+            assert compiled.asm["cubin"], f"{kernel.fn.__name__} gave no cubin for sm_{arch}"
