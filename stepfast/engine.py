@@ -221,12 +221,12 @@ class EMA:
     def _trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
-    def _local(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        """A copy of this rank's part of a weight: the whole weight, or under ZeRO-3 its partition
-        with the padding zeroed."""
+    def _local(self, name: str, param: torch.nn.Parameter, device=None) -> torch.Tensor:
+        """A copy (on `device`, default the weight's) of this rank's part of a weight: the whole
+        weight, or under ZeRO-3 its partition with the padding zeroed."""
         if not self.zero3:
-            return param.detach().clone()
-        part = param.ds_tensor.detach().clone()
+            return param.detach().to(device or param.device, copy=True)
+        part = param.ds_tensor.detach().to(device or param.ds_tensor.device, copy=True)
         part[self.slices[name].valid :] = 0
         return part
 
@@ -266,7 +266,7 @@ class EMA:
         saved = {}
         with torch.no_grad():
             for n, p in params:
-                saved[n] = self._local(n, p).cpu()
+                saved[n] = self._local(n, p, "cpu")
                 self._write(n, p, self.shadow[n])
         try:
             yield
