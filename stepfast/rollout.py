@@ -72,7 +72,8 @@ def sample_trajectory(
         t = grid[j].expand(b).to(x.device)
         s = grid[j + 1].expand(b).to(x.device)
         v = velocity(x, t).float()
-        step_kind, step_params = (kind, params) if j in window else ("ode", {})
+        # ODE outside the window and where the std is under min_std: an untrained step adds no noise
+        step_kind, step_params = (kind, params) if trained[j] else ("ode", {})
         out = sde.step(step_kind, x, v, t, s, noise=None if noise is None else noise[j],
                        generator=generator, **step_params)
         if trained[j]:

@@ -168,3 +168,30 @@ def test_kl_sigma_drops_sqrt_dt_for_flow_sde_only():
     t, s = torch.tensor([0.6]), torch.tensor([0.46])
     assert torch.allclose(sde.kl_sigma("flow_sde", t, s) * torch.sqrt(t - s), sde.step_std("flow_sde", t, s))
     assert torch.allclose(sde.kl_sigma("ddim", t, s), sde.step_std("ddim", t, s))
+
+
+@pytest.mark.parametrize("kind", ["ddim", "cps"])
+def test_a_step_under_min_std_is_an_ode_step_in_the_rollout(kind):
+    """sample_trajectory: a step inside the window whose std is under min_std is deterministic, as
+    METHOD.md has it: the ODE step, not the sampler's step with its small noise (which no trained step
+    could learn from, and which would spread a group's rewards). The other steps are the sampler's."""
+    from stepfast.rollout import sample_trajectory
+
+    grid = sde.sd3_time_grid(10)
+    g = torch.Generator().manual_seed(0)
+    x_init, noise = torch.randn(4, 3, 5, generator=g), torch.randn(10, 4, 3, 5, generator=g)
+
+    def velocity(x, t):
+        return torch.sin(3 * x) - x + t[:, None, None]
+
+    params = {"eta": 1.0} if kind == "ddim" else {"noise_level": 0.7}
+    stds = [float(sde.step_std(kind, grid[j], grid[j + 1], **params)) for j in range(10)]
+    min_std = 0.05
+    traj = sample_trajectory(velocity, x_init, grid, kind, noise=noise, min_std=min_std, **params)
+    assert traj.trained.tolist() == [std >= min_std for std in stds]
+    assert 0 < min(stds[j] for j in range(10) if not traj.trained[j] and stds[j] > 0) < min_std  # a small-noise step
+    for j in range(10):
+        t, s = grid[j].expand(4), grid[j + 1].expand(4)
+        step_kind, step_params = (kind, params) if traj.trained[j] else ("ode", {})
+        expected = sde.step(step_kind, traj.states[j], traj.velocities[j], t, s, noise=noise[j], **step_params)
+        assert torch.equal(traj.states[j + 1], expected.sample), f"step {j}"
