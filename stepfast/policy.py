@@ -86,7 +86,9 @@ def encode_prompts(pipe, prompts: list[str], cfg_scale: float, device) -> Prompt
 def velocity(transformer, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeddings, cfg_scale: float) -> torch.Tensor:
     """v(x, t | prompt), guided: v_u + w (v_c - v_u) when cfg_scale > 1. t: [B] in [0, 1].
 
-    The SD3 transformer takes timesteps on diffusers' 0..1000 scale.
+    The SD3 transformer takes timesteps on diffusers' 0..1000 scale, in float32 whatever its dtype (as
+    diffusers' pipeline passes them): it embeds them in float32 and casts after, where bf16 timesteps
+    would move the 10-step grid's 602.15 to 604.
     """
     dtype = next(transformer.parameters()).dtype
     if cfg_scale > 1:
@@ -97,7 +99,7 @@ def velocity(transformer, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeddin
     else:
         xin, tin, emb, pooled = x, t, cond.embeds, cond.pooled
     out = transformer(
-        hidden_states=xin.to(dtype), timestep=(tin * 1000).to(dtype), encoder_hidden_states=emb.to(dtype),
+        hidden_states=xin.to(dtype), timestep=tin.float() * 1000, encoder_hidden_states=emb.to(dtype),
         pooled_projections=pooled.to(dtype), return_dict=False,
     )[0].float()  # fmt: skip
     if cfg_scale > 1:
