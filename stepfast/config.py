@@ -376,3 +376,16 @@ def validate(cfg: Config) -> None:
     # The paths (output_dir, a resume checkpoint) are checked where the run starts
     # (stepfast.train.check_paths), not here: a config is also read to print or to rebuild a
     # report, on machines where those paths need not exist.
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are probably not what was meant, one sentence each (the trainer prints
+    them at start)."""
+    out = []
+    if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
+        out.append(
+            f"credit={cfg.credit} with rollout.same_latent=false: a group's members start from different "
+            "noise, so the reward of their first estimate differs and their gains no longer sum to the "
+            "group-relative final reward; set rollout.same_latent=true unless that is the ablation you want"
+        )
+    return out

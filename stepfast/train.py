@@ -24,7 +24,7 @@ import yaml
 from tqdm import tqdm
 
 from stepfast import checkpoint, grpo, rewards
-from stepfast.config import ConfigError, load_config, to_dict
+from stepfast.config import ConfigError, config_warnings, load_config, to_dict
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
@@ -109,6 +109,8 @@ class Trainer:
                 graph = device.type == "cuda" and self.estimator.engine.use_cuda_graph is not False
                 setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
             print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
+            for warning in config_warnings(cfg):
+                print(f"stepfast: warning: {warning}", file=sys.stderr)
         self.start, self.evals = 1, {}
         self.resume()
         if self.main:

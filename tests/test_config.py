@@ -187,3 +187,14 @@ def test_paths_the_run_cannot_use_stop_the_trainer_before_it_starts(tmp_path, ca
     assert message.format(blocker=blocker, tmp=tmp_path) in capsys.readouterr().err
     load_config("default", [override])  # reading it is fine
     assert main(["--print-config", override]) == 0
+
+
+def test_stepwise_credit_without_shared_noise_is_warned_about():
+    """The gains telescope to the group-relative final reward only when a group shares its noise."""
+    from stepfast.config import config_warnings
+
+    assert config_warnings(load_config("default")) == [] and config_warnings(load_config("flow_grpo")) == []
+    for credit in ("stepwise", "stepwise_per_step"):
+        (warning,) = config_warnings(load_config("default", [f"credit={credit}", "rollout.same_latent=false"]))
+        assert f"credit={credit} with rollout.same_latent=false" in warning
+    assert config_warnings(load_config("default", ["credit=flow_grpo", "rollout.same_latent=false"])) == []
