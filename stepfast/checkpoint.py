@@ -111,7 +111,8 @@ def check_world(path: Path, world: int) -> None:
     path = Path(path)
     if not (path / "COMPLETE").exists() or not (path / "engine").is_dir():
         return
-    shards = len(list((path / "engine").glob("*/zero_pp_rank_*_optim_states.pt")))
+    # zero_pp_rank_{r}_mp_rank_00_optim_states.pt, with a bf16_ prefix under bf16
+    shards = len(list((path / "engine").glob("*/*zero_pp_rank_*_optim_states.pt")))
     ranks = sorted(int(p.stem[4:]) for p in (path / "rng").glob("rank*.pt") if p.stem[4:].isdigit())
     if shards == 0 or ranks != list(range(shards)):
         raise ValueError(

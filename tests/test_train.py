@@ -266,8 +266,9 @@ def test_a_transformer_above_the_shard_size_is_saved_in_shards_that_load_back(mo
 
 def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpointing(model_dir, tmp_path):
     """model.dtype=bf16, optim.precision=bf16 and gradient checkpointing, as the SD3.5 presets set
-    them: the run trains (the first micro-step still on-policy to the bit) and saves the optimizer's
-    fp32 master weights of the LoRA, not the bf16 copies the model computes with."""
+    them: the run trains (the first micro-step still on-policy to the bit), saves the optimizer's
+    fp32 master weights of the LoRA, not the bf16 copies the model computes with, and resumes from its
+    checkpoint (whose optimizer shards DeepSpeed names bf16_zero_pp_rank_*)."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -280,6 +281,9 @@ def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpoint
     lora = load_file(out / "checkpoints" / "checkpoint-000002" / "lora" / "pytorch_lora_weights.safetensors")
     assert any(not torch.equal(v, v.bfloat16().float()) for v in lora.values())  # not bf16-rounded
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero: trained
+    resumed = train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=3", "resume=auto")
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-000002'} at iteration 3" in resumed.stdout
+    assert [r["iteration"] for r in metrics(out)] == [1, 2, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh runs it)")
