@@ -137,7 +137,7 @@ class InlineScorer:
         done.set_result(self.reward.score(images, prompts, metadata))
         return done
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 

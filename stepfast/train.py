@@ -314,6 +314,9 @@ class Trainer:
                 latest = checkpoint.latest(self.out)
                 print(f"\nstepfast: training stopped at iteration {it}: {type(exc).__name__}: {exc}\n"
                       f"stepfast: last checkpoint: {latest or 'none'}", file=sys.stderr)  # fmt: skip
+            # the batches still queued for the reward are dropped: scored at exit, against a reward
+            # server that has died, each would wait out its retries before the process could end
+            self.scorer.close(wait=False)
             raise
         finally:
             bar.close()

@@ -160,3 +160,30 @@ def test_async_scorer_raises_the_reward_error_on_result(images):
             failed.result(5)
         # the worker survives a failed batch
         torch.testing.assert_close(ok.result(5)["score"], brightness(images, PROMPTS, None)["score"])
+
+
+def test_async_scorer_closed_without_waiting_drops_the_queued_batches(images):
+    """What the trainer does when an iteration fails: the batch being scored finishes, the queued
+    ones are never scored (against a dead reward server each would wait out its retries)."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    class Blocking:
+        calls = 0
+
+        def score(self, images, prompts, metadata=None):
+            self.calls += 1
+            started.set()
+            assert release.wait(5)
+            return brightness(images, prompts, metadata)
+
+    reward = Blocking()
+    scorer = AsyncScorer(reward)
+    running = scorer.submit(images, PROMPTS)
+    queued = [scorer.submit(images, PROMPTS) for _ in range(3)]
+    assert started.wait(5)
+    scorer.close(wait=False)
+    release.set()
+    assert running.result(5)["score"].shape == (3,)
+    assert all(f.cancelled() for f in queued) and reward.calls == 1
