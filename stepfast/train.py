@@ -82,7 +82,7 @@ class Trainer:
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else grpo.InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
-        steps = grpo.trained_steps(cfg)
+        steps = grpo.trained_steps(cfg, self.grid)
         if not steps:
             raise ConfigError(
                 f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "

@@ -198,3 +198,18 @@ def test_stepwise_credit_without_shared_noise_is_warned_about():
         (warning,) = config_warnings(load_config("default", [f"credit={credit}", "rollout.same_latent=false"]))
         assert f"credit={credit} with rollout.same_latent=false" in warning
     assert config_warnings(load_config("default", ["credit=flow_grpo", "rollout.same_latent=false"])) == []
+
+
+def test_trained_steps_are_counted_on_the_grid_the_rollout_uses():
+    """The trainer sizes gradient accumulation from grpo.trained_steps: for a model whose scheduler
+    shift is not SD3's 3 it must count the steps the rollout trains on that model's grid."""
+    from stepfast import grpo
+    from stepfast.rollout import sample_trajectory
+
+    cfg = load_config("default", ["sde.min_std=0.15"])
+    for shift in (1.0, 3.0):
+        grid = sde.sd3_time_grid(cfg.sde.steps, shift=shift)
+        traj = sample_trajectory(lambda x, t: -x, torch.zeros(1, 2), grid, cfg.sampler, min_std=cfg.sde.min_std,
+                                 noise=torch.zeros(cfg.sde.steps, 1, 2), eta=cfg.sde.eta)  # fmt: skip
+        assert grpo.trained_steps(cfg, grid) == traj.trained.nonzero().flatten().tolist()
+    assert grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=1.0)) != grpo.trained_steps(cfg)
