@@ -33,6 +33,7 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.rewards.async_scoring import AsyncScorer
+from stepfast.rewards.geneval_remote import is_tag_column
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -226,7 +227,9 @@ class Trainer:
         stats = grpo.update(self.engine, cond, traj, adv, cfg, self.ema)
         times["time/update"] = self._clock() - t0
 
-        parts = {f"reward/{k}": float(v.mean()) for k, v in final.items() if not k.endswith("category")}
+        # each part's mean over the images; per-category figures are category/<tag> below
+        parts = {f"reward/{k}": float(v.mean()) for k, v in final.items()
+                 if not k.endswith("category") and not is_tag_column(k)}  # fmt: skip
         metrics = {"reward": float(global_rewards[:, -1].mean()),
                    "reward_std": float(global_rewards[:, -1].std(correction=0)), **parts, **stats.summary(),
                    "lr": float(self.scheduler.get_last_lr()[0]), **times}  # fmt: skip

@@ -142,3 +142,13 @@ def test_geneval_remote_protocol(images):
         reward.score(images, PROMPTS)
     with pytest.raises(TypeError, match="pickle"):
         rewards.load("geneval_remote")
+
+
+def test_the_per_tag_columns_are_told_apart_from_the_per_image_ones():
+    """The trainer logs the mean of each reward column; GenEval's per-tag columns hold -10 for other
+    tags' images, so they are left out (category/<tag> is logged instead)."""
+    from stepfast.rewards.geneval_remote import is_tag_column
+
+    assert is_tag_column("two_object_strict_accuracy") and is_tag_column("geneval_remote/colors_accuracy")
+    for key in ("score", "accuracy", "strict_accuracy", "geneval_remote", "geneval_remote/strict_accuracy"):
+        assert not is_tag_column(key), key

@@ -76,6 +76,14 @@ class GenEvalRemoteReward:
         return {key: torch.tensor(values, dtype=torch.float32) for key, values in columns.items()}
 
 
+def is_tag_column(key: str) -> bool:
+    """Whether `key` (as returned here, or "<reward name>/<key>" from a weighted sum) is one of the
+    per-tag columns, which hold -10 for the images of other tags: a plain mean of one is meaningless
+    (the trainer logs each category's reward as `category/<tag>` instead)."""
+    name = key.rsplit("/", 1)[-1]
+    return name.endswith("_accuracy") and name not in ("accuracy", "strict_accuracy")
+
+
 def _parse(body: bytes, n: int) -> dict[str, list[float]]:
     try:
         answer = pickle.loads(body)  # noqa: S301 (the protocol; see the module docstring)
