@@ -8,6 +8,7 @@ ops, so the same code runs on any machine); ZeRO stage 1, 2 or 3 partitions its 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -141,6 +142,14 @@ def merged(base: dict, extra: dict) -> dict:
     return out
 
 
+def warmup_factor(step: int, iterations: int, updates: int = 1) -> float:
+    """The learning rate's factor at optimizer step `step` (from 0; DeepSpeed steps the scheduler at
+    every optimizer step): rising linearly over the first `iterations` iterations of `updates`
+    optimizer steps each, then 1."""
+    steps = max(iterations, 0) * updates
+    return min(1.0, (step + 1) / steps) if steps else 1.0
+
+
 def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, accumulation: int):
     """(engine, optimizer, lr scheduler) for the trainable parameters of `module`."""
     import deepspeed
@@ -149,9 +158,8 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
     if not params:
         raise ValueError("the model has no trainable parameters (check model.lora / model.lora_targets)")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    warmup = max(optim.warmup, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        optimizer, functools.partial(warmup_factor, iterations=optim.warmup, updates=optim.updates_per_iteration)
     )
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,

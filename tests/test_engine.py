@@ -91,3 +91,12 @@ def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
     except RuntimeError:
         pass
     assert all(torch.equal(p.detach(), own[n]) for n, p in module.named_parameters())
+
+
+def test_warmup_counts_iterations_whatever_the_optimizer_steps_per_iteration():
+    """optim.warmup is in iterations; DeepSpeed steps the scheduler once per optimizer step."""
+    from stepfast.engine import warmup_factor
+
+    assert [warmup_factor(s, iterations=2, updates=1) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert [warmup_factor(s, iterations=2, updates=2) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_factor(0, iterations=0, updates=2) == 1.0
