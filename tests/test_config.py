@@ -64,6 +64,7 @@ def test_dotted_overrides_and_types():
     ("eval.seeds=0", "eval.seeds must be >= 1"),
     ("eval.batch_size=0", "eval.batch_size must be >= 1"),
     ("eval.limit=-1", "eval.limit must be >= 0"),
+    ("seed=-1", "seed must be >= 0, got -1"),
     ("eval.min_images=-1", "eval.min_images must be >= 0"),
     ("optim.deepspeed={zero_optimization: {stage: 3}}",
      "optim.deepspeed.zero_optimization.stage is set by optim.zero_stage; set that instead"),
