@@ -58,6 +58,14 @@ def latest(output_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: p.name) if done else None
 
 
+def iteration_of(path: str | Path) -> int | None:
+    """The iteration a complete checkpoint folder holds (its COMPLETE marker says), or None."""
+    try:
+        return int((Path(path) / "COMPLETE").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()

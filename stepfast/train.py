@@ -70,6 +70,7 @@ class Trainer:
         self.resume_from = self._resume_path()
         if self.resume_from is not None:
             checkpoint.check_world(self.resume_from, world)
+            self._check_no_later_checkpoints()
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
@@ -140,6 +141,20 @@ class Trainer:
         if self.cfg.resume == "none":
             return None
         return checkpoint.latest(self.out) if self.cfg.resume == "auto" else Path(self.cfg.resume)
+
+    def _check_no_later_checkpoints(self) -> None:
+        """A ConfigError when output_dir holds checkpoints newer than the one resumed: the two runs'
+        checkpoints would mix (resume=auto picking the abandoned run's newest after a crash), and
+        metrics.csv would lose the rows after the resumed iteration."""
+        resumed, newest = checkpoint.iteration_of(self.resume_from), checkpoint.latest(self.out)
+        later = checkpoint.iteration_of(newest) if newest is not None else None
+        if resumed is not None and later is not None and later > resumed:
+            raise ConfigError(
+                f"resume={self.resume_from} continues from iteration {resumed}, but output_dir {self.out} "
+                f"holds a later checkpoint, {newest}: continuing here would mix the two runs' checkpoints "
+                f"and drop metrics.csv's rows after iteration {resumed}. Give another output_dir, or move "
+                "the later checkpoints and metrics.csv away"
+            )
 
     def resume(self) -> None:
         if self.cfg.resume == "none":

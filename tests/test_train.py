@@ -566,9 +566,11 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, damage
     ("truncate", [], "cannot be loaded into this run (RuntimeError"),
     (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
+    (None, ["resume={out}/checkpoints/checkpoint-000002"], "holds a later checkpoint"),
 ])  # fmt: skip
 def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, tmp_path, damage, overrides, message):
     config, out, _ = copy_run(baseline, tmp_path)
+    overrides = [o.format(out=out) for o in overrides]
     newest = out / "checkpoints" / "checkpoint-000004"
     if damage in ("engine", "rng"):
         shutil.rmtree(newest / damage)
