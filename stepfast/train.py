@@ -75,7 +75,9 @@ class Trainer:
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         try:  # a reward built without an option it needs raises TypeError: bad input, named
-            self.reward = rewards.load_weighted(cfg.reward.weights, cfg.reward.options)
+            options = {**cfg.reward.options, **{name: rewards.with_device(name, cfg.reward.options.get(name), device)
+                                                for name in cfg.reward.weights}}  # fmt: skip
+            self.reward = rewards.load_weighted(cfg.reward.weights, options)
         except TypeError as exc:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
@@ -265,7 +267,8 @@ class Trainer:
         records = load_prompts(cfg.eval.prompts)
         metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
         try:  # with the options reward.options gives it, as a train reward has
-            reward = rewards.load(cfg.eval.reward, **cfg.reward.options.get(cfg.eval.reward, {}))
+            reward = rewards.load(cfg.eval.reward,
+                                  **rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device))  # fmt: skip
         except TypeError as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward

@@ -134,6 +134,29 @@ def load(name: str, **options) -> Reward:
     return FunctionReward(obj, name)
 
 
+def takes_option(name: str, option: str) -> bool:
+    """Whether the class or factory of reward `name` takes the keyword `option` (False for a plain
+    scoring function, or a name that does not resolve: `load` names that problem)."""
+    target = REGISTRY.get(name, name if ":" in name else None)
+    try:
+        obj = _import(target) if isinstance(target, str) else target
+        if obj is None or not (isinstance(obj, type) or _is_factory(obj)):
+            return False
+        return option in inspect.signature(obj).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+def with_device(name: str, options: dict | None, device) -> dict:
+    """`options` for reward `name`, with device=`device` added when its class or factory takes a
+    device and the options do not set one: a model reward then runs where the policy runs (each
+    rank's own GPU) instead of its default, the CPU."""
+    options = dict(options or {})
+    if "device" not in options and takes_option(name, "device"):
+        options["device"] = str(device)
+    return options
+
+
 def load_weighted(weights, options=None):
     """The rewards named in `weights`, summed with those weights (see `combine.WeightedReward`)."""
     from .combine import WeightedReward  # combine imports `load` from here
