@@ -42,7 +42,10 @@ class _CapturedForward:
                 velocity(self.x, self.t)
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: only this thread's capture-unsafe calls are errors. The reward may be scoring
+        # the final images on the GPU in its own thread meanwhile (reward.async_scoring), which the
+        # default "global" mode would turn into a failed capture or an error in the reward
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = velocity(self.x, self.t)
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
