@@ -154,7 +154,8 @@ def _interpreted(kernel):
                if name in fn.__code__.co_names and isinstance(value, triton.JITFunction)
                and value.fn.__module__.startswith(__package__)}  # fmt: skip
     if helpers:  # the interpreter runs its rewrite of the kernel in the kernel's globals
-        fn = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__)
+        fn = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__,
+                                fn.__closure__)  # fmt: skip
     return InterpretedFunction(fn)
 
 

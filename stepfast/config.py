@@ -338,7 +338,8 @@ def validate(cfg: Config) -> None:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     non_negative = {
-        "seed": cfg.seed, "checkpoint_every": cfg.checkpoint_every, "eval.every": cfg.eval.every, "eval.limit": cfg.eval.limit,
+        "seed": cfg.seed, "checkpoint_every": cfg.checkpoint_every, "eval.every": cfg.eval.every,
+        "eval.limit": cfg.eval.limit,
         "eval.min_images": cfg.eval.min_images, "optim.warmup": cfg.optim.warmup, "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
         "optim.beta": cfg.optim.beta, "sde.min_std": cfg.sde.min_std, "sde.eta": cfg.sde.eta,

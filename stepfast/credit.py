@@ -100,7 +100,8 @@ def turning_point_rewards(rewards: torch.Tensor, balance: bool = True) -> torch.
     R_j = rewards[..., j] (R_0: the estimate at the initial noise, standing for the pure-ODE reward of
     the noise). TP-GRPO defines R_j as the reward of a full ODE completion from the state; stepfast
     passes the T'-substep clean-image estimates that stepwise credit uses (T' Euler steps instead of
-    the remaining steps of the grid, shared by both estimators), a cheaper stand-in for it. d_k = R_k - R_{k-1} for k = 1..T, global trend D = R_T - R_0, s_k = sign(d_k) sign(D).
+    the remaining steps of the grid, shared by both estimators), a cheaper stand-in for it.
+    d_k = R_k - R_{k-1} for k = 1..T, global trend D = R_T - R_0, s_k = sign(d_k) sign(D).
     Step k is a turning point when s_{k-1} < 0, s_k > 0 and sign(d_k) sign(R_T - R_k) > 0 (the first
     step needs only the last condition). There the reward is the return-to-go R_T - R_{k-1} instead of
     d_k. With `balance`, positive and negative turning points are balanced over the batch: only the

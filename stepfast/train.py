@@ -75,8 +75,8 @@ class Trainer:
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         try:  # a reward built without an option it needs raises TypeError: bad input, named
-            options = {**cfg.reward.options, **{name: rewards.with_device(name, cfg.reward.options.get(name), device)
-                                                for name in cfg.reward.weights}}  # fmt: skip
+            options = dict(cfg.reward.options)  # a model reward runs on this rank's device unless set
+            options.update({name: rewards.with_device(name, options.get(name), device) for name in cfg.reward.weights})
             self.reward = rewards.load_weighted(cfg.reward.weights, options)
         except TypeError as exc:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
@@ -267,8 +267,8 @@ class Trainer:
         records = load_prompts(cfg.eval.prompts)
         metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
         try:  # with the options reward.options gives it, as a train reward has
-            reward = rewards.load(cfg.eval.reward,
-                                  **rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device))  # fmt: skip
+            options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device)
+            reward = rewards.load(cfg.eval.reward, **options)
         except TypeError as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward

@@ -192,7 +192,8 @@ def test_async_scorer_closed_without_waiting_drops_the_queued_batches(images):
 def test_model_rewards_run_on_the_policys_device_unless_told_otherwise():
     """The trainer builds each reward with device=<its own> when the reward's class or factory takes a
     device and reward.options sets none (PickScore on each rank's GPU, not the CPU default)."""
-    assert rewards.with_device("pickscore", {"path": "/m"}, torch.device("cuda", 3)) == {"path": "/m", "device": "cuda:3"}
+    expected = {"path": "/m", "device": "cuda:3"}
+    assert rewards.with_device("pickscore", {"path": "/m"}, torch.device("cuda", 3)) == expected
     assert rewards.with_device("ocr", None, "cuda:0") == {"device": "cuda:0"}
     assert rewards.with_device("pickscore", {"device": "cpu"}, "cuda:1") == {"device": "cpu"}  # as set
     assert rewards.with_device("shapes", None, "cuda:0") == {}  # takes no device

@@ -51,7 +51,8 @@ failed += [f"rank {rank}: state_dict(keep=False) kept weights" for _ in [0] if e
 before = whole()
 with ema.applied(engine.module):
     during = whole()
-failed += [f"rank {rank}: {n} is not the EMA while it is applied" for n in during if not torch.equal(during[n], known[n])]
+failed += [f"rank {rank}: {n} is not the EMA while it is applied" for n in during
+           if not torch.equal(during[n], known[n])]  # fmt: skip
 after = whole()
 failed += [f"rank {rank}: {n} was not restored" for n in after if not torch.equal(after[n], before[n])]
 failed += [f"rank {rank}: the EMA of {n} was lost" for n, v in ema_whole().items() if not torch.equal(v, known[n])]
