@@ -419,6 +419,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--out: {exc}")
 
     metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
+    from stepfast.rewards import load
+
+    reward = load("shapes")
+    try:  # a record ShapeEval cannot score (GenEval's "dog"), named before anything is drawn
+        reward.check([m.get("prompt") for m in metadata], metadata)
+    except ValueError as exc:
+        raise ValueError(f"--prompts {args.prompts}: {exc}") from None
     if args.lora:
         lora_weights_file(args.lora)  # FileNotFoundError / ValueError naming it, before the model loads
     if args.transformer:
@@ -433,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--size must be a multiple of {multiple} for this model, got {args.size}")
     result = evaluate(
         pipe, metadata, args.seeds, args.steps, args.cfg, min_images=args.min_images, batch_size=args.batch_size,
-        size=args.size, keep_images=True,
+        size=args.size, keep_images=True, reward=reward,
     )
     result["settings"].update(model=str(args.model), lora=args.lora, transformer=args.transformer,
                               prompt_source=args.prompts)  # fmt: skip

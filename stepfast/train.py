@@ -80,6 +80,8 @@ class Trainer:
             self.reward = rewards.load_weighted(cfg.reward.weights, options)
         except TypeError as exc:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
+        check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
+                      f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
@@ -271,6 +273,7 @@ class Trainer:
             reward = rewards.load(cfg.eval.reward, **options)
         except TypeError as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
+        check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
@@ -355,6 +358,16 @@ class Trainer:
         self.scorer.close()
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
+
+
+def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -> None:
+    """A ConfigError naming `source` and the prompt when `reward` (if it can check prompts) could not
+    score one of them: found at start, not after the first images are drawn."""
+    if hasattr(reward, "check"):
+        try:
+            reward.check([p for p, _ in prompts], [m for _, m in prompts])
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
 
 
 def check_paths(cfg) -> None:

@@ -231,6 +231,17 @@ def test_evaluation_command_names_bad_input_without_a_traceback(tmp_path, args, 
     assert not out.exists()
 
 
+def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_model_loads(tmp_path):
+    """A GenEval metadata file ("dog") would score 0 everywhere after minutes of sampling."""
+    prompts = tmp_path / "geneval_metadata.jsonl"
+    prompts.write_text('{"tag": "single_object", "include": [{"class": "circle", "count": 1}], '
+                       '"prompt": "a photo of a circle"}\n'
+                       '{"tag": "single_object", "include": [{"class": "dog", "count": 1}], '
+                       '"prompt": "a photo of a dog"}\n')  # fmt: skip
+    message = f"--prompts {prompts}: prompt 2: the record of prompt 'a photo of a dog' asks for class 'dog'"
+    assert_refused_before_the_model_loads("--prompts", prompts, message, tmp_path)
+
+
 def run_evaluate(*args):
     cmd = [sys.executable, "-m", "stepfast.evaluate", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -106,8 +106,27 @@ def test_metadata_gives_the_same_result_as_parsing(reward, scenes):
         parsed = reward.score(images, asked)
         given = reward.score(images, asked, metadata=[parse_prompt(p) for p in asked])
         mixed = reward.score(images, asked, metadata=[None] * len(asked))
+        bare = reward.score(images, asked, metadata=[{"prompt": p} for p in asked])  # a file of plain prompts
         for key in parsed:
             assert torch.equal(parsed[key], given[key]) and torch.equal(parsed[key], mixed[key])
+            assert torch.equal(parsed[key], bare[key])
+
+
+def test_records_shapeeval_cannot_draw_are_named_before_and_when_scoring(reward):
+    """A GenEval record ("dog") would score 0 on every image: refused, naming the prompt; `check`
+    finds it before any image is drawn, numbering prompts from 1."""
+    circle = parse_prompt("a photo of a circle")
+    dog = {"tag": "single_object", "include": [{"class": "dog", "count": 1}], "prompt": "a photo of a dog"}
+    plum = {**parse_prompt("a photo of a red circle"), "prompt": "a photo of a plum circle"}
+    plum["include"] = [{**plum["include"][0], "color": "plum"}]
+    image = render(circle, rng=0)[None]
+    with pytest.raises(ValueError, match="'a photo of a dog' asks for class 'dog', which ShapeEval does not draw"):
+        reward.score(image, [dog["prompt"]], [dog])
+    with pytest.raises(ValueError, match="prompt 2: .* asks for colour 'plum'"):
+        reward.check([circle["prompt"], plum["prompt"]], [circle, plum])
+    with pytest.raises(ValueError, match="prompt 3: .*a photo of a dog"):
+        reward.check(["a photo of a circle", "a photo of two squares", "a photo of a dog"])
+    reward.check([circle["prompt"], "a photo of two squares"], [{"prompt": circle["prompt"]}, None])
 
 
 def test_bad_prompts_and_lengths_are_named(reward):

@@ -480,13 +480,16 @@ def test_missing_model_directory(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("", "holds no prompts"),
     ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', ":2: malformed JSON"),
+    ('{"prompt": "a photo of a dog", "tag": "single_object", "include": [{"class": "dog", "count": 1}]}\n',
+     "prompt 1: the record of prompt 'a photo of a dog' asks for class 'dog', which ShapeEval does not draw"),
 ])  # fmt: skip
 def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
     """Train or eval prompts: the error comes at start, before any iteration or checkpoint."""
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text(content)
     options = {"prompts": str(prompts), **({"every": 2} if section == "eval" else {})}
-    cfg = base_config(model_dir, tmp_path / "run", **{section: options})
+    scored = {"reward": {"weights": {"shapes": 1.0}}} if section == "rollout" else {}  # eval's is shapes
+    cfg = base_config(model_dir, tmp_path / "run", **{section: options}, **scored)
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
     assert proc.returncode == 2
     assert str(prompts) in proc.stderr and message in proc.stderr

@@ -67,6 +67,16 @@ class WeightedReward:
         self.weights = {name: float(w) for name, w in weights.items()}
         self.rewards = {name: registry.load(name, **options.get(name, {})) for name in weights}
 
+    def check(self, prompts, metadata=None) -> None:
+        """Before any image is drawn: each part that can check its prompts does (ValueError naming
+        the reward and the prompt)."""
+        for name, reward in self.rewards.items():
+            if hasattr(reward, "check"):
+                try:
+                    reward.check(prompts, metadata)
+                except ValueError as exc:
+                    raise ValueError(f"reward {name!r}: {exc}") from None
+
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         parts = {
             name: check_scores(name, reward.score(images, prompts, metadata), len(prompts))

@@ -205,11 +205,38 @@ class ShapesReward:
             meta = self._parsed[prompt] = parse_prompt(prompt)
         return meta
 
+    def record(self, prompt: str, record: dict | None = None) -> dict:
+        """The GenEval record an image of `prompt` is scored against: `record` when it has clauses
+        ("include"), else the prompt parsed (a ShapeEval prompt: records from a file of plain prompts
+        hold only {"prompt": ...}). ValueError naming the prompt when the record asks for a class or
+        colour that ShapeEval does not draw (GenEval's "dog") or the prompt is not ShapeEval's."""
+        if record is None or "include" not in record:
+            return self._metadata(prompt)
+        for clause in list(record["include"]) + list(record.get("exclude", [])):
+            cls, color = clause.get("class"), clause.get("color")
+            if cls not in SHAPES or (color is not None and color not in COLORS):
+                bad = f"class {cls!r}" if cls not in SHAPES else f"colour {color!r}"
+                raise ValueError(
+                    f"the record of prompt {prompt!r} asks for {bad}, which ShapeEval does not draw "
+                    f"(shapes: {', '.join(SHAPES)}; colours: {', '.join(COLORS)})"
+                )
+        return record
+
+    def check(self, prompts, metadata=None) -> None:
+        """Before any image is drawn: a ValueError naming the first prompt (from 1) that cannot be
+        scored."""
+        for i, prompt in enumerate(prompts):
+            try:
+                self.record(prompt, None if metadata is None else metadata[i])
+            except ValueError as exc:
+                raise ValueError(f"prompt {i + 1}: {exc}") from None
+
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         """Per image: "score" (partial credit in [0, 1]), "strict" (0/1), "category" (index).
 
-        `metadata`, when given, holds per-prompt GenEval records (None entries are parsed from the
-        prompt); ShapeEval's records are exactly what `parse_prompt` returns for their prompts.
+        `metadata`, when given, holds per-prompt GenEval records (entries that are None or have no
+        clauses are parsed from the prompt); ShapeEval's records are exactly what `parse_prompt`
+        returns for their prompts.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         detections = self.detect(images)
@@ -219,7 +246,7 @@ class ShapesReward:
             raise ValueError(f"got {len(prompts)} prompts but {len(metadata)} metadata records")
         scores, stricts, categories = [], [], []
         for i, (objects, prompt) in enumerate(zip(detections, prompts)):
-            meta = metadata[i] if metadata is not None and metadata[i] is not None else self._metadata(prompt)
+            meta = self.record(prompt, None if metadata is None else metadata[i])
             strict, partial = evaluate(objects, meta, self.exclusive, self.position_threshold)
             scores.append(partial)
             stricts.append(float(strict))
