@@ -152,24 +152,31 @@ class Batcher:
                 count += len(nxt.images)
             self._score(jobs)
 
+    def _score_members(self, name: str, members: list[ScoreJob], results: dict[int, dict]) -> None:
+        """Reward `name` of `members` in one call, into results[id(job)][name]. When that call fails
+        and holds several requests, each is scored alone: only a request the reward fails on gets
+        the error (a 500, which its client retries), not the others batched with it."""
+        try:
+            scores = self._score_reward(name, members)
+        except Exception as exc:
+            if len(members) > 1:
+                for job in members:
+                    self._score_members(name, [job], results)
+            elif not members[0].future.done():
+                members[0].future.set_exception(exc)
+            return
+        start = 0
+        for job in members:
+            n = len(job.images)
+            results[id(job)][name] = {k: v[start : start + n].tolist() for k, v in scores.items()}
+            start += n
+
     def _score(self, jobs: list[ScoreJob]) -> None:
         results: dict[int, dict] = {id(job): {} for job in jobs}
         for shape in {job.images.shape[1:] for job in jobs}:
             same_size = [job for job in jobs if job.images.shape[1:] == shape]
             for name in dict.fromkeys(n for job in same_size for n in job.rewards):
-                members = [job for job in same_size if name in job.rewards]
-                try:
-                    scores = self._score_reward(name, members)
-                except Exception as exc:  # sent back to each request as a 500
-                    for job in members:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
-                    continue
-                start = 0
-                for job in members:
-                    n = len(job.images)
-                    results[id(job)][name] = {k: v[start : start + n].tolist() for k, v in scores.items()}
-                    start += n
+                self._score_members(name, [job for job in same_size if name in job.rewards], results)
         for job in jobs:
             if not job.future.done():
                 job.future.set_result(results[id(job)])

@@ -117,6 +117,32 @@ def test_concurrent_requests_share_reward_calls(local, scenes):
         stop(server)
 
 
+def test_a_request_the_reward_fails_on_fails_alone(local, scenes):
+    """Requests batched into one reward call: when the call fails, each is scored alone, so only the
+    request the reward cannot score gets the error, not the others that shared its batch."""
+    images, prompts, _ = scenes
+
+    class FailsOnDogs:
+        def __init__(self):
+            self.batches = []
+
+        def score(self, images, prompts, metadata=None):
+            self.batches.append(len(prompts))
+            return local["shapes"].score(images, prompts, metadata)  # raises on "a photo of a dog"
+
+    reward = FailsOnDogs()
+    batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
+    asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
+    futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
+    with pytest.raises(ValueError, match="a photo of a dog"):
+        futures[1].result(10)
+    for i in (0, 2):
+        expected = local["shapes"].score(images[2 * i : 2 * i + 2], asked[i])
+        assert futures[i].result(10)["shapes"] == {k: v.tolist() for k, v in expected.items()}
+    batcher.close()
+    assert reward.batches == [6, 2, 2, 2]  # the shared call, then each request alone
+
+
 def post_raw(server, body: bytes, path="/score"):
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
     try:
