@@ -361,23 +361,34 @@ def _prompt_rows(samples: list[dict]) -> list[list[int]]:
 REPORT_FILES = ("results.json", "results.md", "samples.png")
 
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, overwrite: bool = False) -> None:
     """A ValueError naming `out` when `write_report` could not write there: `out` must be a
     directory or not exist yet (then its nearest existing parent must be a writable directory),
-    and none of the report files in it may be a directory. Checked before any sampling."""
+    none of the report files in it may be a directory, and, unless `overwrite`, it must not hold an
+    earlier evaluation. Checked before any sampling."""
     check_creatable_dir(out, holds=", ".join(REPORT_FILES))
     for name in REPORT_FILES:
         if (out / name).is_dir():
             raise ValueError(f"{out / name} is a directory: the report file cannot be written there")
+    if not overwrite and (out / "results.json").exists():
+        raise ValueError(f"{out} already holds an evaluation (results.json): give another --out, or "
+                         "--overwrite to replace it")  # fmt: skip
 
 
 def write_report(result: dict, out: Path, columns: int) -> None:
+    """results.json, results.md and samples.png into `out`, each written whole then renamed into
+    place: an interrupted write leaves the file it replaces."""
     out.mkdir(parents=True, exist_ok=True)
     serialisable = {k: v for k, v in result.items() if k != "images"}
-    (out / "results.json").write_text(json.dumps(serialisable, indent=2) + "\n")
-    (out / "results.md").write_text(markdown_table(result))
+    files = {"results.json": lambda p: p.write_text(json.dumps(serialisable, indent=2) + "\n"),
+             "results.md": lambda p: p.write_text(markdown_table(result))}  # fmt: skip
     if "images" in result:
-        sample_grid(result["images"], result["samples"], columns).save(out / "samples.png")
+        grid = sample_grid(result["images"], result["samples"], columns)
+        files["samples.png"] = lambda p: grid.save(p, format="PNG")
+    for name, write in files.items():
+        tmp = out / f".{name}.tmp"
+        write(tmp)
+        tmp.replace(out / name)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -394,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="sampling steps")
     parser.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale")
     parser.add_argument("--out", default="outputs/evaluate", help="directory for results.json/.md and samples.png")
+    parser.add_argument("--overwrite", action="store_true", help="replace an evaluation already in --out")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only N prompts, spread over categories")
     parser.add_argument("--batch-size", type=int, default=32, help="images per pipeline call")
     parser.add_argument("--size", type=int, default=None, help="image side (default: the model's)")
@@ -414,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--device: {exc}")
     out = Path(args.out)
     try:
-        check_out_dir(out)
+        check_out_dir(out, overwrite=args.overwrite)
     except ValueError as exc:
         parser.error(f"--out: {exc}")
 

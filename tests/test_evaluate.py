@@ -207,6 +207,18 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
     grid = Image.open(out / "samples.png")
     assert grid.size[1] >= 8 * 64  # one row per prompt
     assert result["overall"]["strict"] == saved["overall"]["strict"]
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "samples.png"]  # no .tmp
+    # a second evaluation into the same folder: refused before sampling, the first one kept ...
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = ["--model", EMBEDDED_MODEL, "--limit", "1", "--seeds", "1", "--min-images", "0", "--steps", "2",
+             "--out", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        ev.main(again)
+    assert f"{out} already holds an evaluation (results.json)" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    # ... unless asked to replace it
+    ev.main(again + ["--overwrite"])
+    assert len(json.loads((out / "results.json").read_text())["samples"]) == 1  # one prompt, one seed
 
 
 def test_evaluate_rejects_empty_input(tiny):
