@@ -141,10 +141,18 @@ def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, se
     redraws each category's prompts, then each drawn prompt's seeds, with replacement, and takes
     after minus before on the same images. It says how much the gain owes to which prompts and
     seeds were drawn; the spread between training runs of different seeds comes on top of it.
-    None when the records do not pair up (other prompts or seeds)."""
-    pairs = {(s["prompt"], s["seed"]): [s["tag"], s["strict"], None] for s in before}
-    for s in after:
-        pair = pairs.get((s["prompt"], s["seed"]))
+    None when the records do not pair up (other prompts or seeds). A prompt listed twice in the
+    prompt file gives the same (prompt, seed) twice: the k-th of each pairs with the k-th."""
+
+    def keys(samples):
+        seen: Counter = Counter()
+        for s in samples:
+            seen[s["prompt"], s["seed"]] += 1
+            yield (s["prompt"], s["seed"], seen[s["prompt"], s["seed"]]), s
+
+    pairs = {key: [s["tag"], s["strict"], None] for key, s in keys(before)}
+    for key, s in keys(after):
+        pair = pairs.get(key)
         if pair is None or pair[0] != s["tag"] or pair[2] is not None:
             return None
         pair[2] = s["strict"]
@@ -152,7 +160,7 @@ def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, se
                             for pair in pairs.values()):  # fmt: skip
         return None  # unpaired, or a reward without pass/fail (strict NaN)
     by_category: dict[str, dict[str, list[float]]] = {}
-    for (prompt, _), (tag, strict_before, strict_after) in pairs.items():
+    for (prompt, _, _), (tag, strict_before, strict_after) in pairs.items():
         by_category.setdefault(tag, {}).setdefault(prompt, []).append(strict_after - strict_before)
     rng = np.random.default_rng(seed)
     gains = np.zeros(resamples)

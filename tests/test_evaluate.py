@@ -77,6 +77,10 @@ def test_paired_gain_needs_the_same_draws_with_a_pass_fail():
                   [dict(s, tag="position") for s in before], [dict(s, strict=float("nan")) for s in before]):
         assert ev.paired_gain(before, after) is None
     assert ev.paired_gain([], []) is None
+    # a prompt file that lists a prompt twice draws each (prompt, seed) twice: still paired, in order
+    twice = before + before
+    gain = ev.paired_gain(twice, [dict(s, strict=1.0) for s in twice])
+    assert gain is not None and gain["gain"] == pytest.approx(((1 - 0.5) + (1 - 0.0)) / 2)
 
 
 def test_limit_spreads_prompts_over_categories():
