@@ -327,16 +327,23 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows: int = 32, scale: int = 2):
+def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows: int = 32,
+                scale: float | None = None):  # fmt: skip
     """A PIL image: one row per prompt (up to max_rows, spread over categories) with its first
-    `columns` seeds; each image framed green when it passes strictly, red otherwise, with its score."""
+    `columns` seeds; each image framed green when it passes strictly, red when it fails, grey for a
+    reward without pass/fail (strict NaN), with its score. scale: the tiles' size over the images';
+    by default 2 up to 128 px (ShapeEval's 64 px stay legible) and 256 px tiles above (a 1024 px
+    evaluation of 32 prompts would otherwise be a 66,000 px tall grid)."""
     from PIL import Image, ImageDraw
 
     rows = _prompt_rows(samples)
     if len(rows) > max_rows:
         rows = [r["indices"] for r in spread_over_categories(
             [{"tag": samples[r[0]]["tag"], "indices": r} for r in rows], max_rows)]  # fmt: skip
-    h, w = images.shape[1] * scale, images.shape[2] * scale
+    if scale is None:
+        scale = 2 if images.shape[1] <= 128 else 256 / images.shape[1]
+    h, w = max(round(images.shape[1] * scale), 1), max(round(images.shape[2] * scale), 1)
+    resample = Image.NEAREST if scale >= 1 else Image.BILINEAR
     label_w, pad, text_h = 300, 3, 12
     cell_w, cell_h = w + 2 * pad, h + 2 * pad + text_h
     grid = Image.new("RGB", (label_w + columns * cell_w, len(rows) * cell_h), (24, 24, 24))
@@ -347,9 +354,10 @@ def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows:
         draw.text((4, y * cell_h + cell_h // 2), first["prompt"], fill=(230, 230, 230))
         for c, i in enumerate(row[:columns]):
             x0, y0 = label_w + c * cell_w, y * cell_h
-            frame = (40, 200, 60) if samples[i]["strict"] else (210, 50, 50)
+            strict = samples[i]["strict"]
+            frame = (120, 120, 120) if math.isnan(strict) else (40, 200, 60) if strict == 1 else (210, 50, 50)
             draw.rectangle([x0, y0, x0 + cell_w - 1, y0 + h + 2 * pad - 1], fill=frame)
-            tile = Image.fromarray(images[i]).resize((w, h), Image.NEAREST)
+            tile = Image.fromarray(images[i]).resize((w, h), resample)
             grid.paste(tile, (x0 + pad, y0 + pad))
             draw.text((x0 + pad, y0 + h + 2 * pad), f"s{samples[i]['seed']} {samples[i]['score']:.2f}", fill=(230, 230, 230))
     return grid

@@ -166,6 +166,18 @@ def test_min_images_draws_more_seeds_and_the_grid_shows_the_first_ones(tiny):
     assert grid.size[1] == 3 * (64 + 6 + 12) and grid.size[0] == 300 + 2 * (64 + 6)
 
 
+def test_grid_frames_say_pass_fail_or_none_and_large_images_shrink():
+    """Green for a strict pass, red for a fail, grey where the reward has no pass/fail (NaN is truthy:
+    it must not read as a pass); tiles of 256 px for large images, twice the size for small ones."""
+    samples = [{"prompt": "p", "tag": "colors", "seed": s, "strict": v, "score": 0.5}
+               for s, v in enumerate([1.0, 0.0, float("nan")])]  # fmt: skip
+    for side, tile in ((64, 128), (1024, 256)):
+        grid = ev.sample_grid(np.zeros((3, side, side, 3), dtype=np.uint8), samples, columns=3)
+        assert grid.size == (300 + 3 * (tile + 6), tile + 6 + 12)
+        frames = [grid.getpixel((300 + c * (tile + 6) + 1, 1)) for c in range(3)]
+        assert frames == [(40, 200, 60), (210, 50, 50), (120, 120, 120)]
+
+
 def test_lora_changes_the_samples(tiny, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig, get_peft_model_state_dict
