@@ -24,15 +24,20 @@ SIZE = 128
 ROUNDS = 7
 
 
-def throughput(fn, rounds: int = ROUNDS) -> tuple[float, float, float]:
-    """Images/s of fn() over `rounds` timed calls after one warm-up: (median, p20, p80)."""
-    fn()
-    rates = []
-    for _ in range(rounds):
-        began = time.perf_counter()
+def throughputs(fns: dict, rounds: int = ROUNDS) -> dict[str, tuple[float, float, float]]:
+    """Images/s of each fn() over `rounds` timed calls after one warm-up each, the calls interleaved
+    (a, b, a, b, ...) so that a change in the shared machine's load falls on both: {name: (median,
+    p20, p80)}."""
+    for fn in fns.values():
         fn()
-        rates.append(BATCH / (time.perf_counter() - began))
-    return float(np.median(rates)), float(np.percentile(rates, 20)), float(np.percentile(rates, 80))
+    rates = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            began = time.perf_counter()
+            fn()
+            rates[name].append(BATCH / (time.perf_counter() - began))
+    return {name: (float(np.median(r)), float(np.percentile(r, 20)), float(np.percentile(r, 80)))
+            for name, r in rates.items()}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +56,9 @@ def test_reward_server_throughput_vs_in_process(benchmark, batch):
         expected = local.score(images, prompts)["score"]
         assert (remote.score(images, prompts)["score"] == expected).all()
 
-        in_process = throughput(lambda: local.score(images, prompts))
-        served = throughput(lambda: remote.score(images, prompts))
+        measured = throughputs({"in-process": lambda: local.score(images, prompts),
+                                "reward server": lambda: remote.score(images, prompts)})  # fmt: skip
+        in_process, served = measured["in-process"], measured["reward server"]
         benchmark.pedantic(remote.score, args=(images, prompts), rounds=3, iterations=1)
     finally:
         server.shutdown()

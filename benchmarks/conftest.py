@@ -1,0 +1,12 @@
+"""Shared by the benchmarks, which `make bench` runs in one process."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A benchmark that pins torch to one thread leaves the next one its own thread count."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
