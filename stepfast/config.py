@@ -9,8 +9,11 @@ value of the wrong type is an error that names the key, the value and the expect
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -158,6 +161,22 @@ def _type_hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, except that 1e-5 and 5e8 are numbers (YAML 1.2), not strings: inside
+    free-form mappings (optim.deepspeed, reward.options) no field type converts them afterwards."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+
+
 def _suggest(key: str, options, prefix: str = "") -> str:
     """'; did you mean <prefix><closest>?' (the full dotted key), or the valid keys of the section."""
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
@@ -238,9 +257,26 @@ def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
             else:
                 setattr(obj, part, _coerce(value, _type_hints(type(obj))[part], where))
         else:
-            obj = getattr(obj, part)
-            if not dataclasses.is_dataclass(obj):
+            current = getattr(obj, part)
+            if isinstance(current, dict):  # into a mapping (reward.options.pickscore.device=...)
+                setattr(obj, part, _coerce(_set_in(current, parts[i + 1 :], value, where), _type_hints(type(obj))[part],
+                                           where))  # fmt: skip
+                return
+            if not dataclasses.is_dataclass(current):
                 raise ConfigError(f"config key {where!r} is a value, not a section")
+            obj = current
+
+
+def _set_in(mapping: dict, keys: list[str], value: Any, where: str) -> dict:
+    """A copy of `mapping` with mapping[k1][k2]...[kn] = value, the other entries kept."""
+    out = copy.deepcopy(mapping)
+    inner = out
+    for depth, key in enumerate(keys[:-1]):
+        inner = inner.setdefault(key, {})
+        if not isinstance(inner, dict):
+            raise ConfigError(f"config key {where}.{'.'.join(keys[: depth + 1])} holds {inner!r}, not a mapping")
+    inner[keys[-1]] = value
+    return out
 
 
 def preset_path(name: str) -> Path:
@@ -262,7 +298,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like key=value (dotted keys, e.g. optim.lr=1e-4)")
     key, _, raw = text.partition("=")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: cannot parse the value: {exc}") from None
     return key.strip(), value
@@ -274,7 +310,7 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
     if preset:
         path = preset_path(preset)
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = _yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: malformed YAML: {exc}") from None
         except UnicodeDecodeError as exc:
@@ -343,11 +379,24 @@ def validate(cfg: Config) -> None:
         "eval.min_images": cfg.eval.min_images, "optim.warmup": cfg.optim.warmup, "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
         "optim.beta": cfg.optim.beta, "sde.min_std": cfg.sde.min_std, "sde.eta": cfg.sde.eta,
+        "sde.noise_level": cfg.sde.noise_level, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
         "credit_opts.adv_clip": cfg.credit_opts.adv_clip, "credit_opts.eps": cfg.credit_opts.eps,
     }  # fmt: skip
     for key, value in non_negative.items():
         if not value >= 0:  # also catches NaN
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    # inf is no limit for the clips; for these it would make every sample or step NaN
+    finite = {"optim.lr": cfg.optim.lr, "optim.weight_decay": cfg.optim.weight_decay, "optim.beta": cfg.optim.beta,
+              "optim.clip_range": cfg.optim.clip_range, "sde.eta": cfg.sde.eta, "sde.noise_level": cfg.sde.noise_level,
+              "sde.min_std": cfg.sde.min_std, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
+              **{f"reward.weights.{k}": v for k, v in cfg.reward.weights.items()}}  # fmt: skip
+    for key, value in finite.items():
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    if cfg.sde.eta > 1:
+        raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError("output_dir is empty (an unset variable?): give the folder the run writes to")
     if not cfg.optim.clip_range > 0:
         raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
     for keys, owner in DEEPSPEED_KEYS_OWNED.items():

@@ -43,6 +43,20 @@ def test_dotted_overrides_and_types():
     assert isinstance(cfg.optim.ema, float)
 
 
+def test_dotted_overrides_reach_into_mappings_and_keep_the_rest():
+    """reward.options.pickscore.device=cuda:1 sets one option of a preset's reward and keeps its paths
+    (reward.options={...} replaces the whole mapping); numbers written 5e8 are numbers there too."""
+    cfg = load_config("sd3_medium_pickscore", ["reward.options.pickscore.device=cuda:1", "reward.weights.ocr=0.5",
+                                               "optim.deepspeed={zero_optimization: {reduce_bucket_size: 5e8}}",
+                                               "optim.deepspeed.zero_optimization.overlap_comm=true"])  # fmt: skip
+    assert cfg.reward.options["pickscore"] == {"path": "/models/PickScore_v1", "device": "cuda:1",
+                                               "processor_path": "/models/CLIP-ViT-H-14-laion2B-s32B-b79K"}  # fmt: skip
+    assert cfg.reward.weights == {"pickscore": 1.0, "ocr": 0.5}
+    assert cfg.optim.deepspeed == {"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": True}}
+    assert isinstance(cfg.optim.deepspeed["zero_optimization"]["reduce_bucket_size"], float)
+    assert load_config("default", ["optim.lr=1e-5"]).optim.lr == 1e-5 and load_config("default").optim.lr == 1e-3
+
+
 @pytest.mark.parametrize("override, message", [
     ("iteratons=3", "unknown config key 'iteratons'; did you mean 'iterations'?"),
     ("optim.lerning_rate=1", "unknown config key 'optim.lerning_rate'"),
@@ -65,6 +79,13 @@ def test_dotted_overrides_and_types():
     ("eval.batch_size=0", "eval.batch_size must be >= 1"),
     ("eval.limit=-1", "eval.limit must be >= 0"),
     ("seed=-1", "seed must be >= 0, got -1"),
+    ("sde.noise_level=.nan", "sde.noise_level must be >= 0, got nan"),
+    ("sde.eta=3", "sde.eta must be at most 1"),
+    ("rollout.cfg=-1", "rollout.cfg must be >= 0"),
+    ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),
+    ("reward.weights={shapes: .nan}", "reward.weights.shapes must be a finite number, got nan"),
+    ("output_dir=", "output_dir is empty"),
+    ("reward.weights.shapes.x=1", "config key reward.weights.shapes holds 1.0, not a mapping"),
     ("eval.min_images=-1", "eval.min_images must be >= 0"),
     ("optim.deepspeed={zero_optimization: {stage: 3}}",
      "optim.deepspeed.zero_optimization.stage is set by optim.zero_stage; set that instead"),
