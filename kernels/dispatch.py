@@ -135,9 +135,12 @@ def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, pa
 
 
 def _time_key(t) -> tuple:
-    if isinstance(t, torch.Tensor):
-        return ("tensor", t.dtype, t.dim(), tuple(t.reshape(-1).tolist()))
-    return ("float", float(t))
+    """A hashable key of the times (a number, or a tensor, list or array of them, kept in its shape so
+    that every backend checks the same shape)."""
+    if isinstance(t, (int, float)):
+        return ("float", float(t))
+    t = torch.as_tensor(t)
+    return ("tensor", t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,9 +148,8 @@ def _cached_table(kind, t_key, s_key, layout, check_std, params, device) -> torc
     def value(key):
         if key[0] == "float":
             return key[1]
-        _, dtype, dim, values = key
-        values = torch.tensor(values, dtype=dtype)
-        return values.reshape(()) if dim == 0 else values
+        _, dtype, shape, values = key
+        return torch.tensor(values, dtype=dtype).reshape(shape)
 
     table = step_coefficients(
         kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, **dict(params)

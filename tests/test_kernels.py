@@ -646,3 +646,29 @@ def test_triton_kernels_compile_for_nvidia_gpus(monkeypatch, case):
             compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32),
                                       options=options)  # fmt: skip
             assert compiled.asm["cubin"], f"{kernel.fn.__name__} gave no cubin for sm_{arch}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_times_as_lists_and_arrays_on_every_backend(backend):
+    """t and s as a list, a numpy array or a tensor give the same numbers on every backend, and a
+    [B, 1] tensor is refused by every one of them alike."""
+    inp = make_inputs("ddim", "mean_prime")
+    x, v, noise = inp["x_t"], inp["v"], inp["noise"]
+    b = x.shape[0]
+    t, s = torch.linspace(0.9, 0.7, b), torch.linspace(0.8, 0.6, b)
+    expected = sde_step_with_logprob("ddim", x, v, t, s, noise, backend="torch")
+    for form in (lambda u: u.tolist(), lambda u: u.numpy(), lambda u: u):
+        out = sde_step_with_logprob("ddim", x, v, form(t), form(s), noise, backend=backend)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        lp, _ = sde_logprob("ddim", x, v, form(t), form(s), out[0], backend=backend)
+        torch.testing.assert_close(lp, out[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"shape \[batch\]"):
+        sde_step_with_logprob("ddim", x, v, t[:, None], s[:, None], noise, backend=backend)
+
+
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+def test_cpp_refuses_a_patch_wider_than_its_row_piece():
+    """A patch above 1024 elements would leave the C++ kernels' row pieces empty (an endless loop)."""
+    x = torch.zeros(1, 1, 1025, 1025)
+    with pytest.raises(RuntimeError, match="patch_size 1025 is above 1024"):
+        sde_step_with_logprob("ddim", x, x, 0.8, 0.7, x, reduce="tokens", patch_size=1025, backend="cpp")
