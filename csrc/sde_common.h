@@ -115,7 +115,8 @@ inline Layout layout_of(const at::Tensor& x, int64_t patch) {
     TORCH_CHECK(l.height % patch == 0 && l.width % patch == 0, "stepfast: latent size ", l.height, "x",
                 l.width, " is not divisible by patch_size ", patch);
     // a row piece holds whole patches of at most kChunk elements: a wider patch would make it empty
-    TORCH_CHECK(patch <= kChunk, "stepfast: patch_size ", patch, " is above ", kChunk, ", the widest the CPU kernels take");
+    TORCH_CHECK(patch <= kChunk, "stepfast: patch_size ", patch, " is above ", kChunk,
+                ", the widest the CPU kernels take");
   }
   return l;
 }
