@@ -166,15 +166,25 @@ class _Loader(yaml.SafeLoader):
     free-form mappings (optim.deepspeed, reward.options) no field type converts them afterwards."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+class _Dumper(yaml.SafeDumper):
+    """Writes what `_Loader` reads back the same: a string such as "1e3" is quoted."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
 
 
 def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+
+
+def to_yaml(cfg) -> str:
+    """The configuration as YAML that `load_config` reads back to the same configuration."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False)
 
 
 def _suggest(key: str, options, prefix: str = "") -> str:
@@ -259,12 +269,25 @@ def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
         else:
             current = getattr(obj, part)
             if isinstance(current, dict):  # into a mapping (reward.options.pickscore.device=...)
-                setattr(obj, part, _coerce(_set_in(current, parts[i + 1 :], value, where), _type_hints(type(obj))[part],
-                                           where))  # fmt: skip
+                # a reward named by import path has dots of its own (reward.options.pkg.mod:Cls.device)
+                names = set(current) | ({*cfg.reward.weights, cfg.eval.reward} if obj is cfg.reward else set())
+                keys = _split_known(parts[i + 1 :], names)
+                new = _set_in(current, keys, value, where)
+                setattr(obj, part, _coerce(new, _type_hints(type(obj))[part], where))
                 return
             if not dataclasses.is_dataclass(current):
                 raise ConfigError(f"config key {where!r} is a value, not a section")
             obj = current
+
+
+def _split_known(keys: list[str], names) -> list[str]:
+    """`keys` with its first ones joined back into the longest of `names` they spell, if any."""
+    joined = ".".join(keys)
+    for name in sorted(names, key=len, reverse=True):
+        if joined == name or joined.startswith(name + "."):
+            rest = joined[len(name) + 1 :]
+            return [name] + (rest.split(".") if rest else [])
+    return keys
 
 
 def _set_in(mapping: dict, keys: list[str], value: Any, where: str) -> dict:
@@ -387,12 +410,19 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     # inf is no limit for the clips; for these it would make every sample or step NaN
     finite = {"optim.lr": cfg.optim.lr, "optim.weight_decay": cfg.optim.weight_decay, "optim.beta": cfg.optim.beta,
-              "optim.clip_range": cfg.optim.clip_range, "sde.eta": cfg.sde.eta, "sde.noise_level": cfg.sde.noise_level,
-              "sde.min_std": cfg.sde.min_std, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
+              "sde.eta": cfg.sde.eta, "sde.noise_level": cfg.sde.noise_level, "sde.min_std": cfg.sde.min_std, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
               **{f"reward.weights.{k}": v for k, v in cfg.reward.weights.items()}}  # fmt: skip
     for key, value in finite.items():
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+    zero = cfg.optim.deepspeed.get("zero_optimization")
+    offload = (zero.get("offload_param") or {}).get("device") if isinstance(zero, dict) else None
+    if cfg.optim.ema > 0 and cfg.optim.zero_stage == 3 and offload == "nvme":
+        raise ConfigError(
+            "optim.ema with ZeRO-3 weights offloaded to NVMe (optim.deepspeed.zero_optimization.offload_param."
+            "device=nvme) is not supported: each rank averages its partitions in memory; offload them to the "
+            "cpu, or set optim.ema=0"
+        )
     if cfg.sde.eta > 1:
         raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
     if not str(cfg.output_dir).strip():

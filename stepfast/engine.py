@@ -243,6 +243,8 @@ class EMA:
         if not self.zero3:
             return part
         s = self.slices[name]
+        if part.device.type == "cpu" and dist.get_backend(s.group) == "nccl":  # weights offloaded to the CPU
+            part = part.to(torch.device("cuda", torch.cuda.current_device()))
         parts = [torch.empty_like(part) for _ in range(s.world)]
         dist.all_gather(parts, part.contiguous(), group=s.group)
         return torch.cat(parts)[: s.shape.numel()].view(s.shape)

@@ -20,11 +20,10 @@ if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import yaml
 from tqdm import tqdm
 
 from stepfast import checkpoint, grpo, rewards
-from stepfast.config import ConfigError, config_warnings, load_config, to_dict
+from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
@@ -125,7 +124,7 @@ class Trainer:
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
                                     logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            (self.out / "config.yaml").write_text(to_yaml(cfg))
 
     # ---------------------------------------------------------------------------------------------
     def _strata(self) -> list[str] | None:
@@ -394,7 +393,7 @@ def main(argv=None) -> int:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(to_yaml(cfg), end="")
         return 0
     try:  # on every rank, before the model loads, rather than at the first file written
         check_paths(cfg)

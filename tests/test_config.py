@@ -55,6 +55,24 @@ def test_dotted_overrides_reach_into_mappings_and_keep_the_rest():
     assert cfg.optim.deepspeed == {"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": True}}
     assert isinstance(cfg.optim.deepspeed["zero_optimization"]["reduce_bucket_size"], float)
     assert load_config("default", ["optim.lr=1e-5"]).optim.lr == 1e-5 and load_config("default").optim.lr == 1e-3
+    # a custom reward's import path has dots of its own: the name is matched whole
+    cfg = load_config("default", ["reward.weights={shapes: 1.0, my.rewards:Score: 0.5}",
+                                  "reward.options.my.rewards:Score.device=cuda:1", "reward.weights.my.rewards:Score=2"])
+    assert cfg.reward.options == {"my.rewards:Score": {"device": "cuda:1"}}
+    assert cfg.reward.weights == {"shapes": 1.0, "my.rewards:Score": 2.0}
+
+
+def test_the_written_config_reads_back_the_same(tmp_path):
+    """config.yaml (and --print-config) read back to the same configuration, strings that look like
+    numbers included ("1e3" is a folder name, not 1000.0)."""
+    from stepfast.config import to_dict, to_yaml
+
+    cfg = load_config("sd3_medium_pickscore", ['output_dir="1e3"', "reward.options.pickscore.device='5e8'",
+                                               "optim.deepspeed={zero_optimization: {reduce_bucket_size: 5e8}}"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert to_dict(load_config(str(path))) == to_dict(cfg)
+    assert cfg.output_dir == "1e3" and cfg.reward.options["pickscore"]["device"] == "5e8"
 
 
 @pytest.mark.parametrize("override, message", [
@@ -235,3 +253,13 @@ def test_trained_steps_are_counted_on_the_grid_the_rollout_uses():
                                  noise=torch.zeros(cfg.sde.steps, 1, 2), eta=cfg.sde.eta)  # fmt: skip
         assert grpo.trained_steps(cfg, grid) == traj.trained.nonzero().flatten().tolist()
     assert grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=1.0)) != grpo.trained_steps(cfg)
+
+
+def test_ema_with_weights_on_nvme_is_refused_at_start():
+    """Under ZeRO-3 each rank averages its partitions in memory: NVMe-offloaded weights are not there."""
+    nvme = "optim.deepspeed={zero_optimization: {offload_param: {device: nvme, nvme_path: /nvme}}}"
+    with pytest.raises(ConfigError, match="optim.ema with ZeRO-3 weights offloaded to NVMe"):
+        load_config("default", ["optim.zero_stage=3", "optim.ema=0.9", nvme])
+    for fine in (["optim.zero_stage=3", "optim.ema=0", nvme],
+                 ["optim.zero_stage=3", "optim.ema=0.9", nvme.replace("nvme,", "cpu,")]):  # fmt: skip
+        load_config("default", fine)
