@@ -75,18 +75,20 @@ def test_remote_scores_equal_local_scores(server, local, scenes):
     assert_same(both.score(images, prompts), rewards.load_weighted(weights).score(images, prompts))
 
 
+class Recording:
+    """`reward`, recording the number of images of each call."""
+
+    def __init__(self, reward):
+        self.reward, self.batches = reward, []
+
+    def score(self, images, prompts, metadata=None):
+        self.batches.append(len(prompts))
+        return self.reward.score(images, prompts, metadata)
+
+
 def test_concurrent_requests_share_reward_calls(local, scenes):
     images, prompts, _ = scenes
-
-    class Counting:
-        def __init__(self):
-            self.batches = []
-
-        def score(self, images, prompts, metadata=None):
-            self.batches.append(len(prompts))
-            return local["shapes"].score(images, prompts, metadata)
-
-    counting = Counting()
+    counting = Recording(local["shapes"])
     batcher = Batcher({"shapes": counting}, batch_size=64, window_s=0.5)
     futures = [batcher.submit(["shapes"], images[i : i + 2], prompts[i : i + 2], None) for i in (0, 2, 4)]
     results = [f.result(10) for f in futures]
@@ -121,16 +123,7 @@ def test_a_request_the_reward_fails_on_fails_alone(local, scenes):
     """Requests batched into one reward call: when the call fails, each is scored alone, so only the
     request the reward cannot score gets the error, not the others that shared its batch."""
     images, prompts, _ = scenes
-
-    class FailsOnDogs:
-        def __init__(self):
-            self.batches = []
-
-        def score(self, images, prompts, metadata=None):
-            self.batches.append(len(prompts))
-            return local["shapes"].score(images, prompts, metadata)  # raises on "a photo of a dog"
-
-    reward = FailsOnDogs()
+    reward = Recording(local["shapes"])  # raises on "a photo of a dog"
     batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
     asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
     futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
