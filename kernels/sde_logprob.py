@@ -3,7 +3,7 @@
 Forward, one pass over x_t, v, sample (and v_ref):
 
     d = sample - (ca x_t + cb v)       log_prob = lp_scale S + lp_const,  S = sum d^2 (per sample or patch)
-    dv = v - v_ref                     kl       = kl_scale sum dv^2        (= METHOD.md's KL: the x_t terms
+    dv = v - v_ref                     kl       = kl_scale sum dv^2        (= stepfast.loss's KL: the x_t terms
                                                                             of the two means cancel exactly)
 
 Backward, one more pass that recomputes d (nothing but the inputs is saved):

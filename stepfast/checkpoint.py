@@ -7,7 +7,7 @@
                                                 whole transformer (SD3Transformer2DModel.from_pretrained)
         engine/                                 DeepSpeed state: weights, optimizer, LR scheduler
         rng/rank{r}.pt                          RNG states of every rank
-        state.pt                                iteration, EMA, prompt-sampler position, metrics rows
+        state.pt                                iteration, EMA, prompt-sampler position, evaluations so far
         COMPLETE                                written last
 
 Every rank writes into `checkpoint-000010.tmp/`; after a barrier rank 0 writes COMPLETE and renames

@@ -1,7 +1,8 @@
 """Evaluate a pipeline on ShapeEval prompts and print a GenEval-style table.
 
     python -m stepfast.evaluate --model DIR [--lora DIR | --transformer DIR] [--prompts test] [--seeds 4] [--min-images 32]
-                                [--steps 40] [--cfg 4.5] [--out DIR] [--limit N] [--batch-size 32]
+                                [--steps 40] [--cfg 4.5] [--out DIR] [--overwrite] [--limit N] [--batch-size 32]
+                                [--size N] [--device cpu|cuda]
 
 Every prompt is sampled once per seed (seed s draws the initial noise of every prompt's s-th
 image, as GenEval does, so results do not depend on the batch size or on how many ranks share
@@ -14,7 +15,7 @@ category the strict accuracy (GenEval's number: every clause of the prompt holds
 partial score, and overall their mean over categories (GenEval's overall is the unweighted mean
 of its six task accuracies, not the mean over images). `--out` receives results.json (table,
 settings and every sample's scores), results.md (the table) and samples.png (a grid of images
-with their scores).
+with their scores); an earlier evaluation there is kept unless --overwrite.
 """
 
 from __future__ import annotations

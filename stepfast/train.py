@@ -5,7 +5,8 @@
 
 With no config it trains the embedded tiny SD3 model on ShapeEval prompts with stepwise credit and
 the DDIM sampler. One iteration: sample G prompts x N trajectories, estimate the clean image of every
-intermediate state, score them, turn rewards into per-step advantages, and update the policy.
+intermediate state (every credit but flow_grpo, which scores the final images only), score them,
+turn rewards into per-step advantages, and update the policy.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_kl_sigma_drops_sqrt_dt_for_flow_sde_only():
 @pytest.mark.parametrize("kind", ["ddim", "cps"])
 def test_a_step_under_min_std_is_an_ode_step_in_the_rollout(kind):
     """sample_trajectory: a step inside the window whose std is under min_std is deterministic, as
-    METHOD.md has it: the ODE step, not the sampler's step with its small noise (which no trained step
+    the method has it: the ODE step, not the sampler's step with its small noise (which no trained step
     could learn from, and which would spread a group's rewards). The other steps are the sampler's."""
     from stepfast.rollout import sample_trajectory
 
