@@ -398,8 +398,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     non_negative = {
         "seed": cfg.seed, "checkpoint_every": cfg.checkpoint_every, "eval.every": cfg.eval.every,
-        "eval.limit": cfg.eval.limit,
-        "eval.min_images": cfg.eval.min_images, "optim.warmup": cfg.optim.warmup, "optim.lr": cfg.optim.lr,
+        "eval.limit": cfg.eval.limit, "eval.min_images": cfg.eval.min_images, "optim.warmup": cfg.optim.warmup,
+        "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
         "optim.beta": cfg.optim.beta, "sde.min_std": cfg.sde.min_std, "sde.eta": cfg.sde.eta,
         "sde.noise_level": cfg.sde.noise_level, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
@@ -410,7 +410,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     # inf is no limit for the clips; for these it would make every sample or step NaN
     finite = {"optim.lr": cfg.optim.lr, "optim.weight_decay": cfg.optim.weight_decay, "optim.beta": cfg.optim.beta,
-              "sde.eta": cfg.sde.eta, "sde.noise_level": cfg.sde.noise_level, "sde.min_std": cfg.sde.min_std, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
+              "sde.eta": cfg.sde.eta, "sde.noise_level": cfg.sde.noise_level, "sde.min_std": cfg.sde.min_std,
+              "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
               **{f"reward.weights.{k}": v for k, v in cfg.reward.weights.items()}}  # fmt: skip
     for key, value in finite.items():
         if not math.isfinite(value):
