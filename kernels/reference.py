@@ -61,7 +61,8 @@ def sde_logprob(
     patch_size: int | None = None,
     **params,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log-prob of `sample` under the step from (x_t, v), and Flow-GRPO's KL to the reference (stepfast.loss) against v_ref."""
+    """log-prob of `sample` under the step from (x_t, v), and Flow-GRPO's KL to the reference
+    (stepfast.loss) against v_ref."""
     mean, std = _mean(kind, x_t, v, t, s, **params)
     log_prob = sde.log_prob(sample, mean, std, convention, reduce, patch_size)
     if v_ref is None:
