@@ -128,6 +128,20 @@ def test_turning_point_hand_example():
     assert torch.allclose(adv.abs(), torch.ones(1, 2, 3), atol=1e-3)
 
 
+def test_turning_point_balance_keeps_the_largest_return_to_go_and_advantages_normalise_them():
+    """Three members with turning points of return-to-go +4, +2.5 and -4: balancing keeps one of each
+    sign, the largest |return-to-go| (A's +4, not B's +2.5; B falls back to its gain d_k). The estimator's
+    advantages are these rewards normalised per step over the group, not the plain gains."""
+    rewards = torch.tensor([[[0.0, -1.0, 2.0, 3.0], [0.0, -1.0, 1.0, 1.5], [0.0, 1.0, -2.0, -3.0]]],
+                           dtype=torch.float64)  # fmt: skip
+    assert turning_point_rewards(rewards, balance=True).tolist() == [[[-1.0, 4.0, 1.0], [-1.0, 2.0, 0.5],
+                                                                       [1.0, -4.0, -1.0]]]  # fmt: skip
+    r = turning_point_rewards(rewards, balance=False)
+    expected = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, correction=0) + 1e-4)
+    adv = compute_advantages("turning_point", rewards, balance=False)
+    torch.testing.assert_close(adv, expected.float().clamp(-5, 5))
+
+
 def test_turning_point_first_step_needs_only_the_last_condition():
     # R = [0, 1, 0.5, 2]: d_1 = 1 and R_T - R_1 = 1 > 0 -> the first step turns, to-go R_T - R_0 = 2
     rewards = torch.tensor([[[0.0, 1.0, 0.5, 2.0]]], dtype=torch.float64)

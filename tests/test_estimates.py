@@ -56,6 +56,22 @@ def test_engine_equals_estimate_clean_images_on_cpu(substeps, with_first):
     assert torch.equal(got, expected)
 
 
+def test_estimates_are_euler_substeps_from_t_to_zero():
+    """The reference itself, written out: T' = 3 Euler steps of t/3 each, the velocity taken at t, 2t/3
+    and t/3 (the engine's test above compares it with this function)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, generator=g)
+
+    def velocity(x, t):
+        return x @ w * (1 + t[:, None]) - t[:, None]
+
+    x, t = torch.randn(3, 4, generator=g), torch.tensor([0.9, 0.5, 0.2])
+    h = x - (t[:, None] / 3) * velocity(x, t)
+    h = h - (t[:, None] / 3) * velocity(h, t * 2 / 3)
+    h = h - (t[:, None] / 3) * velocity(h, t / 3)
+    torch.testing.assert_close(estimate_clean_images(velocity, x, t, 3), h, rtol=1e-6, atol=1e-6)
+
+
 def test_engine_forward_count_and_tweedie():
     velocity = TinyVelocity()
     states, t = states_and_times()

@@ -433,7 +433,9 @@ def test_select_backend(monkeypatch):
     assert select_backend("cpu", "triton") == "triton"
     monkeypatch.setenv(dispatch.ENV_VAR, "torch")
     assert select_backend("cpu") == "torch"
-    assert select_backend("cpu", "cpp") in ("cpp", "torch")  # backend= wins over the environment
+    # backend= wins over the environment
+    assert select_backend("cpu", "cpp") == ("cpp" if cpp_backend.AVAILABLE else "torch")
+    assert select_backend("cpu", "triton") == "triton"
     monkeypatch.setenv(dispatch.ENV_VAR, "cuda_magic")
     with pytest.raises(ValueError, match="STEPFAST_KERNELS"):
         select_backend("cpu")
@@ -672,3 +674,67 @@ def test_cpp_refuses_a_patch_wider_than_its_row_piece():
     x = torch.zeros(1, 1, 1025, 1025)
     with pytest.raises(RuntimeError, match="patch_size 1025 is above 1024"):
         sde_step_with_logprob("ddim", x, x, 0.8, 0.7, x, reduce="tokens", patch_size=1025, backend="cpp")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+@pytest.mark.parametrize("kind, params", [("ddim", {"eta": 0.5}), ("cps", {"noise_level": 0.4}),
+                                          ("flow_sde", {"noise_level": 0.9})])  # fmt: skip
+def test_sampler_parameters_reach_every_output_against_float64(kind, params, backend):
+    """eta and noise_level other than the defaults, on the training op (log-prob, KL, both gradients)
+    and the rollout op (sample with real noise, its log-prob), against the float64 reference with the
+    same parameters: an op that dropped them would still agree with itself, rollout and update alike."""
+    inp = make_inputs(kind, "tokens_p2")
+    x, t, s, kw = inp["x_t"], inp["t"], inp["s"], {"reduce": "tokens", "patch_size": 2, **params}
+    v, v_ref = inp["v"].clone().requires_grad_(), inp["v_ref"].clone().requires_grad_()
+    lp, kl = sde_logprob(kind, x, v, t, s, inp["sample"], v_ref, backend=backend, **kw)
+    upstream(lp, kl).backward()
+    v64, v_ref64 = inp["v"].double().requires_grad_(), inp["v_ref"].double().requires_grad_()
+    mean, std = Torch64.mean(kind, x, v64, t, s, **params)
+    mean_ref, _ = Torch64.mean(kind, x, v_ref64, t, s, **params)
+    ref_lp = Torch64.log_prob(inp["sample"], mean, std, "gaussian", "tokens", 2)
+    ref_kl = Torch64.kl(kind, mean, mean_ref, t, s, **params)
+    upstream(ref_lp, ref_kl).backward()
+    for got, want, what in ((lp, ref_lp, "log_prob"), (kl, ref_kl, "kl"), (v.grad, v64.grad, "grad_v"),
+                            (v_ref.grad, v_ref64.grad, "grad_v_ref")):  # fmt: skip
+        assert_matches64(got.detach(), want.detach(), what=what)
+    with torch.no_grad():
+        sample, step_lp = sde_step_with_logprob(kind, x, inp["v"], t, s, inp["noise"], backend=backend, **kw)
+        mean, std = Torch64.mean(kind, x, inp["v"], t, s, **params)
+        ref_sample = mean + std * inp["noise"].double()
+        assert_matches64(sample, ref_sample, what="sample")
+        ref_step_lp = Torch64.log_prob(ref_sample, mean, std, "gaussian", "tokens", 2)
+        assert_matches64(step_lp, ref_step_lp, what="step log_prob")
+
+
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+@pytest.mark.parametrize("reduce, patch", [("mean", None), ("tokens", 2)])
+def test_cpp_threads_give_the_same_bits_as_one_thread(reduce, patch):
+    """From 131,072 elements a call the C++ kernels share the work among OpenMP threads (the other
+    tests' shapes stay on one): with two threads every output and gradient is bitwise what one thread
+    gives, and matches the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 16, 64, 72)  # 147,456 elements
+    x, v, noise, v_ref = (torch.randn(shape, generator=g) for _ in range(4))
+    t, s = torch.tensor([0.9, 0.6]), torch.tensor([0.8, 0.45])
+    kw = {"reduce": reduce, "patch_size": patch, "backend": "cpp"}
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sample, step_lp = sde_step_with_logprob("ddim", x, v, t, s, noise, **kw)
+            vg, vrg = v.clone().requires_grad_(), v_ref.clone().requires_grad_()
+            lp, kl = sde_logprob("ddim", x, vg, t, s, sample, vrg, **kw)
+            upstream(lp, kl).backward()
+            results.append([sample, step_lp, lp.detach(), kl.detach(), vg.grad, vrg.grad])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    v64, vr64 = v.double().requires_grad_(), v_ref.double().requires_grad_()
+    mean, std = Torch64.mean("ddim", x, v64, t, s)
+    ref_lp = Torch64.log_prob(results[0][0], mean, std, "gaussian", reduce, patch)
+    ref_kl = Torch64.kl("ddim", mean, Torch64.mean("ddim", x, vr64, t, s)[0], t, s)
+    upstream(ref_lp, ref_kl).backward()
+    wanted = (ref_lp, ref_kl, v64.grad, vr64.grad)
+    for got, want, what in zip(results[1][2:], wanted, ("log_prob", "kl", "grad_v", "grad_v_ref")):
+        assert_matches64(got, want.detach(), what=what)
