@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
-from stepfast.files import check_creatable_dir
+from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.models import (
     EMBEDDED_MODEL,
     check_device,
@@ -403,9 +403,7 @@ def write_report(result: dict, out: Path, columns: int) -> None:
         grid = sample_grid(result["images"], result["samples"], columns)
         files["samples.png"] = lambda p: grid.save(p, format="PNG")
     for name, write in files.items():
-        tmp = out / f".{name}.tmp"
-        write(tmp)
-        tmp.replace(out / name)
+        write_atomically(out / name, write)
 
 
 def main(argv: list[str] | None = None) -> dict:

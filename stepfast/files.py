@@ -1,9 +1,20 @@
-"""Checks on the folders a command will write, made before any work that their failure would waste."""
+"""Checks on the folders a command will write, made before any work that their failure would waste,
+and files written whole."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) into `path`'s sibling `<name>.tmp`, then renamed over `path`: an interrupted write
+    leaves the file it would replace (or none), never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)
 
 
 def check_creatable_dir(path: str | Path, holds: str = "") -> Path:

@@ -10,6 +10,8 @@ import csv
 import json
 from pathlib import Path
 
+from stepfast.files import write_atomically
+
 
 class MetricsLogger:
     def __init__(self, output_dir, enabled: bool, tensorboard: bool = True, wandb: bool = False,
@@ -58,13 +60,15 @@ class MetricsLogger:
         for r in self.rows:
             fields += [k for k in r if k not in fields]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields or ["iteration"])
-            w.writeheader()
-            for r in self.rows:
-                w.writerow({k: r.get(k, "") for k in fields})
-        tmp.replace(self.path)
+
+        def write(tmp: Path) -> None:
+            with tmp.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields or ["iteration"])
+                w.writeheader()
+                for r in self.rows:
+                    w.writerow({k: r.get(k, "") for k in fields})
+
+        write_atomically(self.path, write)
         if self.rows and list(self.rows[0]) != fields:
             self.rows[0] = {k: self.rows[0].get(k, "") for k in fields}
 
@@ -122,7 +126,4 @@ def _cell(text: str | None, where: str):
 
 
 def write_json(path, data) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
