@@ -172,8 +172,8 @@ def assert_no_worse(kernel, eager, expected, what):
 # sde_step_with_logprob
 
 
-def reference_step64(kind, inp, convention):
-    mean, std = Torch64.mean(kind, inp["x_t"], inp["v"], inp["t"], inp["s"])
+def reference_step64(kind, inp, convention, **params):
+    mean, std = Torch64.mean(kind, inp["x_t"], inp["v"], inp["t"], inp["s"], **params)
     sample = mean + std * inp["noise"].double()
     if kind == "ode":
         shape = sde_lp_shape(inp)
@@ -189,11 +189,11 @@ def sde_lp_shape(inp):
     return (x.shape[0],)
 
 
-def run_step(kind, inp, convention, backend):
+def run_step(kind, inp, convention, backend, **params):
     with torch.no_grad():
         return sde_step_with_logprob(
             kind, inp["x_t"], inp["v"], inp["t"], inp["s"], inp["noise"], convention=convention,
-            reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend,
+            reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend, **params,
         )  # fmt: skip
 
 
@@ -232,15 +232,15 @@ def test_step_low_precision_no_worse_than_eager(kind, case, dtype, device, backe
 # sde_logprob (forward and gradients)
 
 
-def reference_logprob64(kind, inp, convention, with_kl):
+def reference_logprob64(kind, inp, convention, with_kl, **params):
     v = inp["v"].double().requires_grad_()
     v_ref = inp["v_ref"].double().requires_grad_() if with_kl else None
-    mean, std = Torch64.mean(kind, inp["x_t"], v, inp["t"], inp["s"])
+    mean, std = Torch64.mean(kind, inp["x_t"], v, inp["t"], inp["s"], **params)
     lp = Torch64.log_prob(inp["sample"], mean, std, convention, inp["reduce"], inp["patch_size"])
     kl = None
     if with_kl:
-        mean_ref, _ = Torch64.mean(kind, inp["x_t"], v_ref, inp["t"], inp["s"])
-        kl = Torch64.kl(kind, mean, mean_ref, inp["t"], inp["s"])
+        mean_ref, _ = Torch64.mean(kind, inp["x_t"], v_ref, inp["t"], inp["s"], **params)
+        kl = Torch64.kl(kind, mean, mean_ref, inp["t"], inp["s"], **params)
     return lp, kl, v, v_ref
 
 
@@ -254,12 +254,12 @@ def upstream(lp, kl, seed=1):
     return loss
 
 
-def run_logprob(kind, inp, convention, backend, with_kl):
+def run_logprob(kind, inp, convention, backend, with_kl, **params):
     v = inp["v"].detach().clone().requires_grad_()  # clone() keeps a transposed view's strides
     v_ref = inp["v_ref"].detach().clone().requires_grad_() if with_kl else None
     lp, kl = sde_logprob(
         kind, inp["x_t"], v, inp["t"], inp["s"], inp["sample"], v_ref, convention=convention,
-        reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend,
+        reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend, **params,
     )  # fmt: skip
     upstream(lp, kl).backward()
     return lp.detach(), None if kl is None else kl.detach(), v.grad, None if v_ref is None else v_ref.grad
@@ -684,26 +684,15 @@ def test_sampler_parameters_reach_every_output_against_float64(kind, params, bac
     and the rollout op (sample with real noise, its log-prob), against the float64 reference with the
     same parameters: an op that dropped them would still agree with itself, rollout and update alike."""
     inp = make_inputs(kind, "tokens_p2")
-    x, t, s, kw = inp["x_t"], inp["t"], inp["s"], {"reduce": "tokens", "patch_size": 2, **params}
-    v, v_ref = inp["v"].clone().requires_grad_(), inp["v_ref"].clone().requires_grad_()
-    lp, kl = sde_logprob(kind, x, v, t, s, inp["sample"], v_ref, backend=backend, **kw)
-    upstream(lp, kl).backward()
-    v64, v_ref64 = inp["v"].double().requires_grad_(), inp["v_ref"].double().requires_grad_()
-    mean, std = Torch64.mean(kind, x, v64, t, s, **params)
-    mean_ref, _ = Torch64.mean(kind, x, v_ref64, t, s, **params)
-    ref_lp = Torch64.log_prob(inp["sample"], mean, std, "gaussian", "tokens", 2)
-    ref_kl = Torch64.kl(kind, mean, mean_ref, t, s, **params)
+    got = run_logprob(kind, inp, "gaussian", backend, True, **params)
+    ref_lp, ref_kl, v64, v_ref64 = reference_logprob64(kind, inp, "gaussian", True, **params)
     upstream(ref_lp, ref_kl).backward()
-    for got, want, what in ((lp, ref_lp, "log_prob"), (kl, ref_kl, "kl"), (v.grad, v64.grad, "grad_v"),
-                            (v_ref.grad, v_ref64.grad, "grad_v_ref")):  # fmt: skip
-        assert_matches64(got.detach(), want.detach(), what=what)
-    with torch.no_grad():
-        sample, step_lp = sde_step_with_logprob(kind, x, inp["v"], t, s, inp["noise"], backend=backend, **kw)
-        mean, std = Torch64.mean(kind, x, inp["v"], t, s, **params)
-        ref_sample = mean + std * inp["noise"].double()
-        assert_matches64(sample, ref_sample, what="sample")
-        ref_step_lp = Torch64.log_prob(ref_sample, mean, std, "gaussian", "tokens", 2)
-        assert_matches64(step_lp, ref_step_lp, what="step log_prob")
+    for g, want, what in zip(got, (ref_lp, ref_kl, v64.grad, v_ref64.grad), ("log_prob", "kl", "grad_v", "grad_v_ref")):
+        assert_matches64(g, want.detach(), what=what)
+    sample, step_lp = run_step(kind, inp, "gaussian", backend, **params)
+    ref_sample, ref_step_lp = reference_step64(kind, inp, "gaussian", **params)
+    assert_matches64(sample, ref_sample, what="sample")
+    assert_matches64(step_lp, ref_step_lp, what="step log_prob")
 
 
 @pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
@@ -715,26 +704,20 @@ def test_cpp_threads_give_the_same_bits_as_one_thread(reduce, patch):
     g = torch.Generator().manual_seed(0)
     shape = (2, 16, 64, 72)  # 147,456 elements
     x, v, noise, v_ref = (torch.randn(shape, generator=g) for _ in range(4))
-    t, s = torch.tensor([0.9, 0.6]), torch.tensor([0.8, 0.45])
-    kw = {"reduce": reduce, "patch_size": patch, "backend": "cpp"}
+    inp = {"x_t": x, "v": v, "noise": noise, "v_ref": v_ref, "t": torch.tensor([0.9, 0.6]),
+           "s": torch.tensor([0.8, 0.45]), "reduce": reduce, "patch_size": patch}  # fmt: skip
     threads, results = torch.get_num_threads(), []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            sample, step_lp = sde_step_with_logprob("ddim", x, v, t, s, noise, **kw)
-            vg, vrg = v.clone().requires_grad_(), v_ref.clone().requires_grad_()
-            lp, kl = sde_logprob("ddim", x, vg, t, s, sample, vrg, **kw)
-            upstream(lp, kl).backward()
-            results.append([sample, step_lp, lp.detach(), kl.detach(), vg.grad, vrg.grad])
+            inp["sample"], step_lp = run_step("ddim", inp, "gaussian", "cpp")
+            results.append([inp["sample"], step_lp, *run_logprob("ddim", inp, "gaussian", "cpp", True)])
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):
         assert torch.equal(one, two)
-    v64, vr64 = v.double().requires_grad_(), v_ref.double().requires_grad_()
-    mean, std = Torch64.mean("ddim", x, v64, t, s)
-    ref_lp = Torch64.log_prob(results[0][0], mean, std, "gaussian", reduce, patch)
-    ref_kl = Torch64.kl("ddim", mean, Torch64.mean("ddim", x, vr64, t, s)[0], t, s)
+    ref_lp, ref_kl, v64, v_ref64 = reference_logprob64("ddim", inp, "gaussian", True)
     upstream(ref_lp, ref_kl).backward()
-    wanted = (ref_lp, ref_kl, v64.grad, vr64.grad)
+    wanted = (ref_lp, ref_kl, v64.grad, v_ref64.grad)
     for got, want, what in zip(results[1][2:], wanted, ("log_prob", "kl", "grad_v", "grad_v_ref")):
         assert_matches64(got, want.detach(), what=what)
