@@ -252,7 +252,9 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
             setattr(obj, key, _coerce(value, hints[key], where))
 
 
-def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
+def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) -> None:
+    """cfg.<dotted> = value. `raw`: the text typed on the command line, kept as it is for a key that
+    holds text when YAML read it as a number or a boolean (output_dir=1e-3, run name 2024)."""
     obj = cfg
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -265,7 +267,10 @@ def _set_dotted(cfg: Config, dotted: str, value: Any) -> None:
             if dataclasses.is_dataclass(current):
                 _apply(current, value, f"{where}.")
             else:
-                setattr(obj, part, _coerce(value, _type_hints(type(obj))[part], where))
+                hint = _type_hints(type(obj))[part]
+                if raw is not None and hint is str and isinstance(value, (bool, int, float)):
+                    value = raw.strip()
+                setattr(obj, part, _coerce(value, hint, where))
         else:
             current = getattr(obj, part)
             if isinstance(current, dict):  # into a mapping (reward.options.pickscore.device=...)
@@ -317,6 +322,7 @@ def preset_path(name: str) -> Path:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` as (key, value), the value read as YAML (1.2 numbers)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key=value (dotted keys, e.g. optim.lr=1e-4)")
     key, _, raw = text.partition("=")
@@ -341,7 +347,7 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
         _apply(cfg, data)
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_dotted(cfg, key, value)
+        _set_dotted(cfg, key, value, raw=text.partition("=")[2])
     validate(cfg)
     return cfg
 

@@ -62,6 +62,18 @@ def test_dotted_overrides_reach_into_mappings_and_keep_the_rest():
     assert cfg.reward.weights == {"shapes": 1.0, "my.rewards:Score": 2.0}
 
 
+def test_a_key_that_holds_text_keeps_what_was_typed_on_the_command_line():
+    """output_dir=1e-3 names a folder: YAML reads the value as a number, the key holds text, so the
+    text as typed is kept (not "0.001"); numbers stay numbers and errors stay errors elsewhere."""
+    cfg = load_config("default", ["output_dir=1e-3", "log.wandb_project=2024", "resume=none", "optim.lr=1e-3"])
+    assert cfg.output_dir == "1e-3" and cfg.log.wandb_project == "2024" and cfg.optim.lr == 1e-3
+    assert load_config("default", ["output_dir=runs/007"]).output_dir == "runs/007"
+    with pytest.raises(ConfigError, match="iterations: expected int"):
+        load_config("default", ["iterations=abc"])
+    with pytest.raises(ConfigError, match="output_dir: expected str"):  # a list is not text
+        load_config("default", ["output_dir=[1, 2]"])
+
+
 def test_the_written_config_reads_back_the_same(tmp_path):
     """config.yaml (and --print-config) read back to the same configuration, strings that look like
     numbers included ("1e3" is a folder name, not 1000.0)."""
