@@ -465,10 +465,16 @@ def validate(cfg: Config) -> None:
     # report, on machines where those paths need not exist.
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
     """Settings that run but are probably not what was meant, one sentence each (the trainer prints
-    them at start)."""
+    them at start). `trained`: the steps the update trains (stepfast.grpo.trained_steps), when known."""
     out = []
+    if trained and trained[-1] == cfg.sde.steps - 1:
+        out.append(
+            f"sampler={cfg.sampler} trains the last step (t_1 -> 0, std below 0.01 on SD3's grid), which "
+            "Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
+            f"step; set sde.window=[0, {cfg.sde.steps - 1}] (as the flow_grpo preset does) or raise sde.min_std"
+        )
     if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
         out.append(
             f"credit={cfg.credit} with rollout.same_latent=false: a group's members start from different "

@@ -115,7 +115,7 @@ class Trainer:
                 graph = device.type == "cuda" and self.estimator.engine.use_cuda_graph is not False
                 setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
             print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
-            for warning in config_warnings(cfg):
+            for warning in config_warnings(cfg, steps):
                 print(f"stepfast: warning: {warning}", file=sys.stderr)
         self.start, self.evals = 1, {}
         self.resume()

@@ -252,6 +252,23 @@ def test_stepwise_credit_without_shared_noise_is_warned_about():
     assert config_warnings(load_config("default", ["credit=flow_grpo", "rollout.same_latent=false"])) == []
 
 
+def test_training_the_last_step_is_warned_about():
+    """Flow-GRPO never trains the t_1 -> 0 step; flow_sde without a window trains it when sde.min_std
+    is below its std (0.0063 at noise level 0.7), and the warning names the window that would not."""
+    from stepfast.config import config_warnings
+    from stepfast.grpo import trained_steps
+
+    for preset in ("default", "flow_grpo"):
+        cfg = load_config(preset)
+        assert config_warnings(cfg, trained_steps(cfg)) == []
+    cfg = load_config("flow_grpo", ["sde.window=null"])
+    assert trained_steps(cfg) == list(range(10))
+    (warning,) = config_warnings(cfg, trained_steps(cfg))
+    assert "sampler=flow_sde trains the last step" in warning and "sde.window=[0, 9]" in warning
+    cfg = load_config("flow_grpo", ["sde.window=null", "sde.min_std=0.01"])  # above that std: not trained
+    assert trained_steps(cfg)[-1] == 8 and config_warnings(cfg, trained_steps(cfg)) == []
+
+
 def test_trained_steps_are_counted_on_the_grid_the_rollout_uses():
     """The trainer sizes gradient accumulation from grpo.trained_steps: for a model whose scheduler
     shift is not SD3's 3 it must count the steps the rollout trains on that model's grid."""
