@@ -82,12 +82,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     cuda = torch.cuda.is_available()
+    if cuda:  # before the process group forms, so that NCCL's first collective uses this rank's GPU
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         release_shm_name(rank, world)
