@@ -7,7 +7,7 @@ from stepfast import grpo
 from stepfast.config import load_config
 from stepfast.models import load_pipeline
 from stepfast.models.tiny import tiny_pipeline_dir
-from stepfast.policy import encode_prompts, latent_shape
+from stepfast.policy import decode, encode_prompts, latent_shape, velocity
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -87,3 +87,76 @@ def test_without_shared_noise_every_state_is_estimated(rollout):
     counting = CountingEstimator(grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False))
     grpo.estimate_images(pipe, counting, cond, run(same_latent=False), cfg)
     assert counting.rows == [5 * 8]
+
+
+def test_each_estimate_is_euler_substeps_from_its_own_state_and_time_to_zero(rollout):
+    """Image j of sample i is the decoded T'-substep Euler estimate from state j at grid[j], computed
+    here one state at a time with fresh velocities (no reused first velocity, no batching across
+    states): the batched path must take each state's own time."""
+    cfg, pipe, cond, run = rollout
+    traj = run(same_latent=True)
+    estimator = grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False)
+    images = grpo.estimate_images(pipe, estimator, cond, traj, cfg)
+    substeps = cfg.rollout.substeps
+    for j in range(traj.num_steps):
+        x, t = traj.states[j], traj.grid[j].expand(traj.states.shape[1])
+        for i in range(substeps):
+            t_i, t_next = t * (1 - i / substeps), t * (1 - (i + 1) / substeps)
+            v = velocity(pipe.transformer, x, t_i, cond, cfg.rollout.cfg)
+            x = x + (t_next - t_i).reshape(-1, 1, 1, 1) * v
+        torch.testing.assert_close(images[j], decode(pipe, x), rtol=0, atol=1e-4, msg=f"state {j}")
+
+
+def test_the_sde_window_is_the_only_stochastic_and_trained_part_of_the_rollout(rollout):
+    """sde.window=[1, 3]: steps 1 and 2 draw noise, carry a log-prob and are trained; steps 0, 3 and
+    4 are plain ODE steps with no log-prob, and grpo.trained_steps (which sizes the update) agrees."""
+    cfg, pipe, cond, _ = rollout
+    cfg = load_config("default", [f"model.path={cfg.model.path}", "sde.steps=5", "rollout.groups=2",
+                                  "rollout.group_size=4", "rollout.micro_batch=8", "rollout.cfg=2.0",
+                                  "sde.window=[1, 3]", "sde.min_std=0.0001"])  # fmt: skip
+    shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
+    grid = sd3_time_grid(cfg.sde.steps, shift=3.0)
+    x_init, noise = sample_noise(cfg.seed, 1, [0] * 4 + [1] * 4, list(range(4)) * 2, shape, cfg.sde.steps, True)
+    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, grid, cfg)
+    assert traj.trained.tolist() == [False, True, True, False, False]
+    assert grpo.trained_steps(cfg, grid) == [1, 2]
+    for j in range(cfg.sde.steps):
+        ode = traj.states[j] + (grid[j + 1] - grid[j]) * traj.velocities[j]
+        if j in (1, 2):
+            assert (traj.states[j + 1] - ode).abs().max() > 1e-3 and bool((traj.log_probs[j] != 0).all())
+        else:
+            torch.testing.assert_close(traj.states[j + 1], ode, rtol=0, atol=1e-6)
+            assert bool((traj.log_probs[j] == 0).all())
+    # without the window every step with a std above sde.min_std is trained (ddim: all but the first)
+    no_window = load_config("default", ["sde.steps=5", "sde.min_std=0.0001"])
+    assert grpo.trained_steps(no_window, grid) == [1, 2, 3]
+
+
+def test_advantages_follow_the_credit_options():
+    """grpo.advantages passes credit_opts on: flow_grpo's global_std divides by the batch's std, not
+    each group's."""
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 0.1, 0.0, 0.1]]).reshape(8, 1).expand(8, 6).clone()
+    per_group = grpo.advantages(rewards, load_config("flow_grpo", ["rollout.groups=2", "rollout.group_size=4",
+                                                                   "credit_opts.global_std=false"]))  # fmt: skip
+    global_std = grpo.advantages(rewards, load_config("flow_grpo", ["rollout.groups=2", "rollout.group_size=4",
+                                                                    "credit_opts.global_std=true"]))  # fmt: skip
+    # per group both groups get +-1; with one std for the batch the low-spread group gets less
+    torch.testing.assert_close(per_group[:, 0], torch.tensor([-1.0, 1, -1, 1, -1, 1, -1, 1]), rtol=0, atol=3e-3)
+    final = rewards[:, -1].reshape(2, 4)
+    want = (final - final.mean(1, keepdim=True)) / (final.std(correction=0) + load_config("flow_grpo").credit_opts.eps)
+    torch.testing.assert_close(global_std[:, 0], want.flatten(), rtol=1e-5, atol=1e-6)
+
+
+def test_category_rewards_average_each_groups_members_then_the_groups_of_a_tag():
+    final = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 0.0])  # 3 groups of 3, group-major
+    got = grpo.category_rewards(final, ["colors", None, "colors"], group_size=3)
+    assert got == pytest.approx({"category/colors": (1 / 3 + 2 / 3) / 2})
+    got = grpo.category_rewards(final, ["colors", "counting", "position"], group_size=3)
+    assert got == pytest.approx({"category/colors": 1 / 3, "category/counting": 1 / 3, "category/position": 2 / 3})
+
+
+def test_update_stats_average_over_micro_steps_and_keep_extremes_and_the_first():
+    stats = grpo.UpdateStats(sums={"loss": 6.0, "ratio_mean": 3.3, "ratio_min": 0.9, "ratio_max": 1.2}, count=3,
+                             first={"ratio_mean": 1.0}, grad_norms=[1.0, 3.0])  # fmt: skip
+    assert stats.summary() == pytest.approx({"loss": 2.0, "ratio_mean": 1.1, "ratio_min": 0.9, "ratio_max": 1.2,
+                                             "first_ratio_mean": 1.0, "grad_norm": 2.0})  # fmt: skip

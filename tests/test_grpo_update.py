@@ -1,6 +1,7 @@
 """grpo.update on a real SD3 policy: the gradient it takes is the policy gradient of the advantages it
 is given, sample by sample and step by step (sign and step index included)."""
 
+import pytest
 import torch
 
 from stepfast import grpo
@@ -64,3 +65,60 @@ def test_update_gradient_is_minus_advantage_times_grad_log_prob(tmp_path):
     assert any(w.abs().sum() > 0 for w in want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
+class SteppingEngine(Engine):
+    """An engine whose every backward is an accumulation boundary: an SGD step on each, with a known
+    gradient norm per step."""
+
+    def __init__(self, module, lr):
+        super().__init__(module)
+        self.lr, self.norms = lr, []
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def step(self):
+        with torch.no_grad():
+            norm = torch.sqrt(sum((p.grad**2).sum() for p in self.module.parameters() if p.grad is not None))
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p -= self.lr * p.grad
+                    p.grad = None
+        self.norms.append(float(norm))
+
+    def get_global_grad_norm(self):
+        return self.norms[-1]
+
+
+def test_update_reports_the_first_micro_step_on_policy_and_every_optimizer_step(tmp_path):
+    """With an optimizer step after every backward, later micro-steps are off-policy (ratio != 1) but
+    the logged first_* statistics are the first micro-step's (ratio exactly 1), grad_norm is the mean
+    over the optimizer steps, and the EMA is updated once per optimizer step."""
+    torch.manual_seed(0)
+    model = tiny_pipeline_dir(tmp_path, seed=0)
+    cfg = load_config("default", [f"model.path={model}", "sde.steps=4", "sde.min_std=0.0001", "rollout.groups=1",
+                                  "rollout.group_size=4", "rollout.micro_batch=2", "rollout.cfg=1.0",
+                                  "optim.clip_range=10"])  # fmt: skip
+    pipe = load_pipeline(model)
+    pipe.transformer.requires_grad_(True)
+    cond = encode_prompts(pipe, ["a photo of a red circle"] * 4, cfg.rollout.cfg, torch.device("cpu"))
+    shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
+    x_init, noise = sample_noise(0, 1, [0] * 4, list(range(4)), shape, cfg.sde.steps, True)
+    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, sd3_time_grid(cfg.sde.steps), cfg)
+    adv = torch.randn(4, cfg.sde.steps, generator=torch.Generator().manual_seed(1))
+
+    class CountingEMA:
+        updates = 0
+
+        def update(self, module):
+            CountingEMA.updates += 1
+
+    engine = SteppingEngine(pipe.transformer, lr=1e-2)
+    stats = grpo.update(engine, cond, traj, adv, cfg, ema=CountingEMA())
+    calls = int(traj.trained.sum()) * 2  # trained steps x 2 micro-batches
+    summary = stats.summary()
+    assert stats.count == calls == len(engine.norms) == CountingEMA.updates
+    assert summary["first_ratio_mean"] == summary["first_ratio_min"] == summary["first_ratio_max"] == 1.0
+    assert (summary["ratio_min"], summary["ratio_max"]) != (1.0, 1.0)  # the later micro-steps moved off-policy
+    assert summary["grad_norm"] == pytest.approx(sum(engine.norms) / calls)
