@@ -93,6 +93,41 @@ def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
     assert all(torch.equal(p.detach(), own[n]) for n, p in module.named_parameters())
 
 
+def test_ema_update_is_the_exponential_average_and_its_state_round_trips():
+    """shadow <- decay shadow + (1 - decay) weight, in fp32, for the trainable weights only; state_dict
+    and load_state_dict carry it to a fresh EMA (a resumed run), and a state for another model is
+    refused by name."""
+    import pytest
+    import torch
+
+    from stepfast.engine import EMA
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).double()
+    module[1].bias.requires_grad_(False)
+    ema = EMA(module, 0.9, zero_stage=2)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    expected = {n: start[n].clone() for n in ema.shadow}
+    for k in range(3):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(module)
+        for n, p in module.named_parameters():
+            if n in expected:
+                expected[n] = 0.9 * expected[n] + 0.1 * p.detach()
+    for n, want in expected.items():
+        assert ema.shadow[n].dtype == torch.float32
+        torch.testing.assert_close(ema.shadow[n], want.float(), rtol=1e-6, atol=1e-6, msg=n)
+        assert not torch.allclose(ema.shadow[n], start[n].float())  # it moved
+    fresh = EMA(module, 0.9, zero_stage=2)  # a resumed run starts from the current weights...
+    fresh.load_state_dict(ema.state_dict())  # ...and takes the saved average
+    assert all(torch.equal(fresh.shadow[n], ema.shadow[n]) for n in ema.shadow)
+    other = EMA(torch.nn.Linear(7, 5).double(), 0.9, zero_stage=2)
+    with pytest.raises(ValueError, match="EMA state lacks 2 weights"):
+        other.load_state_dict({"decay": 0.9, "shadow": {}})
+
+
 def test_warmup_counts_iterations_whatever_the_optimizer_steps_per_iteration():
     """optim.warmup is in iterations; DeepSpeed steps the scheduler once per optimizer step."""
     from stepfast.engine import warmup_factor
