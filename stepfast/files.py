@@ -10,10 +10,14 @@ from typing import Callable
 
 def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     """write(tmp) into `path`'s sibling `<name>.tmp`, then renamed over `path`: an interrupted write
-    leaves the file it would replace (or none), never a truncated one."""
+    leaves the file it would replace (or none), never a truncated one, and no `.tmp` beside it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
 
 

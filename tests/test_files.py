@@ -42,3 +42,21 @@ def test_a_folder_that_cannot_be_searched_is_named(tmp_path, monkeypatch):
     message = f"cannot check {tmp_path / 'run'} (can a folder above it be searched?): Permission denied"
     with pytest.raises(ValueError, match=re.escape(message)):
         check_creatable_dir(tmp_path / "run")
+
+
+def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
+    from stepfast.files import write_atomically
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("iteration,reward\n1,0.5\n")
+
+    def dies_half_way(tmp):
+        with tmp.open("w") as f:
+            f.write("iteration,rew")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, dies_half_way)
+    assert path.read_text() == "iteration,reward\n1,0.5\n" and not (tmp_path / "metrics.csv.tmp").exists()
+    write_atomically(path, lambda tmp: tmp.write_text("iteration,reward\n"))
+    assert path.read_text() == "iteration,reward\n" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]

@@ -28,3 +28,20 @@ def test_resume_keeps_the_rows_up_to_the_checkpoint(tmp_path, monkeypatch, given
     assert read_logged(tmp_path / "metrics.csv") == [
         {"iteration": 1, "reward": 0.5}, {"iteration": 2, "reward": 0.25}, {"iteration": 3, "reward": 1.0}
     ]
+
+
+def test_resume_purges_the_tensorboard_points_after_the_checkpoint(tmp_path):
+    """TensorBoard's own log on resume: the points the dead run logged past the checkpoint are purged,
+    so the curve shows iteration 3 once, with the resumed run's value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
+    for it, reward in [(1, 0.5), (2, 0.25), (3, 0.125)]:
+        logger.log(it, {"reward": reward})
+    logger.close()
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=True, resume_from=2)
+    logger.log(3, {"reward": 1.0})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.5), (2, 0.25), (3, 1.0)]
