@@ -58,3 +58,16 @@ def test_stats_are_plain_floats():
     stats = out.stats()
     assert set(stats) >= {"loss", "clip_fraction", "approx_kl", "ratio_mean", "ratio_min", "ratio_max", "kl"}
     assert all(isinstance(v, float) for v in stats.values())
+
+
+def test_logged_statistics_off_policy():
+    """clip_fraction counts ratios strictly outside [1 - eps, 1 + eps]; approx_kl is mean(log_ratio^2) / 2."""
+    old = torch.zeros(4, dtype=torch.float64)
+    log_ratio = torch.tensor([0.0, 0.1, -0.3, 0.5], dtype=torch.float64)
+    ratio = log_ratio.exp()
+    eps = float(ratio[1] - 1)  # ratio[1] sits exactly on the edge: inside the trust region
+    stats = grpo_step_loss(old + log_ratio, old, torch.ones(4, dtype=torch.float64), clip_range=eps).stats()
+    assert stats["clip_fraction"] == 0.5
+    assert stats["approx_kl"] == pytest.approx(0.5 * float((log_ratio**2).mean()))
+    assert (stats["ratio_min"], stats["ratio_max"]) == pytest.approx((float(ratio.min()), float(ratio.max())))
+    assert stats["ratio_mean"] == pytest.approx(float(ratio.mean()))

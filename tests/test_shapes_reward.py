@@ -229,6 +229,9 @@ def test_color_rules():
     assert _check([_obj("circle", "red")], "a photo of a red circle") == (True, 1.0)
     assert _check([_obj("circle", "blue")], "a photo of a red circle") == (False, 0.5)
     assert _check([], "a photo of a red circle") == (False, 0.0)
+    # a wrong count leaves the colours unchecked: their terms are 0, not left out (0.5 / 2 per clause)
+    three = [_obj("circle", "red"), _obj("circle", "blue", (30, 0, 40, 10)), _obj("circle", "blue", (60, 0, 70, 10))]
+    assert _check(three, "a photo of a red circle and a blue circle") == (False, 0.25)
     pair = [_obj("circle", "blue"), _obj("square", "red", (30, 0, 40, 10))]
     assert _check(pair, "a photo of a blue circle and a red square") == (True, 1.0)
     assert _check(pair, "a photo of a red circle and a blue square") == (False, 0.5)  # colours swapped
