@@ -82,6 +82,11 @@ def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
     summary = (report / "summary.md").read_text()
     assert summary.startswith((expected / "summary.md").read_text())
     assert "flow_grpo credit" in summary and "Iterations: 6" in summary
+    # the figures themselves, not only what write_report makes of them: the last iteration's reward,
+    # and the held-out overall from before to after training
+    assert f"last train reward {rows[-1]['reward']:.3f}; seconds per iteration 2.5 (rollout 1.5)" in summary
+    b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
+    assert round(a - b, 3) != 0 and f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**" in summary
     assert "![before](samples_before.png)" in summary and "samples_after" not in summary
     assert (report / "samples_before.png").read_bytes() == grid
     for figure in ("reward_curve.png", "gain_heatmap.png", "eval_curve.png"):
