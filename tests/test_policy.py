@@ -24,3 +24,54 @@ def test_a_bf16_transformer_gets_float32_timesteps(tmp_path):
     assert seen[0].dtype == torch.float32
     assert torch.equal(seen[0], torch.cat([t, t]) * 1000)
     assert not torch.equal(seen[0].to(torch.bfloat16).float(), seen[0])  # the grid is not bf16-exact
+
+
+def _transformer(pipe, x, t, embeds, pooled):
+    return pipe.transformer(hidden_states=x, timestep=t * 1000, encoder_hidden_states=embeds,
+                            pooled_projections=pooled, return_dict=False)[0]  # fmt: skip
+
+
+def test_guided_velocity_is_unconditional_plus_scale_times_the_difference(tmp_path):
+    """v = v_u + w (v_c - v_u) with v_u from the empty prompt's embeddings and v_c from the prompt's,
+    each transformer call made here on its own; w <= 1 gives v_c alone, unguided."""
+    pipe = load_pipeline(tiny_pipeline_dir(tmp_path, seed=0))
+    cond = encode_prompts(pipe, ["a photo of a red circle", "a photo of two squares"], 4.5, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, *latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:], generator=g)
+    t = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        v_c = _transformer(pipe, x, t, cond.embeds, cond.pooled)
+        v_u = _transformer(pipe, x, t, cond.neg_embeds, cond.neg_pooled)
+        assert (v_c - v_u).abs().max() > 1e-3  # the prompt matters to this model
+        torch.testing.assert_close(velocity(pipe.transformer, x, t, cond, 4.5), v_u + 4.5 * (v_c - v_u),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        unguided = encode_prompts(pipe, ["a photo of a red circle", "a photo of two squares"], 1.0, torch.device("cpu"))
+        torch.testing.assert_close(velocity(pipe.transformer, x, t, unguided, 1.0), v_c, rtol=1e-5, atol=1e-6)
+
+
+def test_the_reference_policy_is_the_base_model_with_the_adapter_off(tmp_path):
+    """Inside reference_policy the LoRA-wrapped transformer computes what the model loaded without
+    LoRA computes; outside it, its adapter (given non-zero weights here) changes the output again."""
+    from stepfast.config import load_config
+    from stepfast.policy import load_policy_pipeline, reference_policy
+
+    model = tiny_pipeline_dir(tmp_path, seed=0)
+    base = load_pipeline(model)
+    pipe = load_policy_pipeline(load_config("default", [f"model.path={model}"]).model, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in pipe.transformer.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing yet
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    cond = encode_prompts(base, ["a photo of a red circle"], 1.0, torch.device("cpu"))
+    x = torch.randn(1, *latent_shape(base, 1, base.default_sample_size * base.vae_scale_factor)[1:],
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        want = velocity(base.transformer, x, t, cond, 1.0)
+        adapted = velocity(pipe.transformer, x, t, cond, 1.0)
+        with reference_policy(pipe.transformer) as reference:
+            inside = velocity(reference, x, t, cond, 1.0)
+        after = velocity(pipe.transformer, x, t, cond, 1.0)
+    assert (adapted - want).abs().max() > 1e-3
+    torch.testing.assert_close(inside, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after, adapted, rtol=0, atol=0)
