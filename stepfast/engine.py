@@ -151,6 +151,13 @@ def warmup_factor(step: int, iterations: int, updates: int = 1) -> float:
     return min(1.0, (step + 1) / steps) if steps else 1.0
 
 
+def warmup_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate's linear warmup over `optim.warmup` iterations of `optim.updates_per_iteration`
+    optimizer steps each."""
+    factor = functools.partial(warmup_factor, iterations=optim.warmup, updates=optim.updates_per_iteration)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, accumulation: int):
     """(engine, optimizer, lr scheduler) for the trainable parameters of `module`."""
     import deepspeed
@@ -159,9 +166,7 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
     if not params:
         raise ValueError("the model has no trainable parameters (check model.lora / model.lora_targets)")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(warmup_factor, iterations=optim.warmup, updates=optim.updates_per_iteration)
-    )
+    scheduler = warmup_scheduler(optimizer, optim)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         config=deepspeed_config(optim, micro_batch, accumulation),

@@ -222,6 +222,18 @@ def test_deepspeed_settings_merge_into_the_shipped_config():
     assert config["gradient_accumulation_steps"] == 6 and cfg.optim.deepspeed == offload  # not changed
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_deepspeed_config_takes_its_settings_from_the_runs_keys(precision):
+    from stepfast.engine import deepspeed_config
+
+    cfg = load_config("default", [f"optim.precision={precision}", "optim.grad_clip=0.3", "optim.zero_stage=1"])
+    config = deepspeed_config(cfg.optim, micro_batch=3, accumulation=5)
+    assert config["zero_optimization"]["stage"] == 1
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (3, 5)
+    assert config["gradient_clipping"] == 0.3
+    assert (config["bf16"]["enabled"], config["fp16"]["enabled"]) == (precision == "bf16", precision == "fp16")
+
+
 @pytest.mark.parametrize("override, message", [
     ("output_dir={blocker}", "output_dir: {blocker} is a file, not a directory"),
     ("output_dir={blocker}/run", "output_dir: cannot create {blocker}/run: {blocker} is a file"),

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, stale_build_locks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,3 +137,20 @@ def test_warmup_counts_iterations_whatever_the_optimizer_steps_per_iteration():
     assert [warmup_factor(s, iterations=2, updates=1) for s in range(3)] == [0.5, 1.0, 1.0]
     assert [warmup_factor(s, iterations=2, updates=2) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert warmup_factor(0, iterations=0, updates=2) == 1.0
+
+
+def test_the_engine_schedule_warms_up_over_iterations_of_the_runs_optimizer_steps():
+    import torch
+
+    from stepfast.config import load_config
+    from stepfast.engine import warmup_scheduler
+
+    cfg = load_config("default", ["optim.warmup=2", "optim.updates_per_iteration=2", "optim.lr=0.1"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    scheduler = warmup_scheduler(optimizer, cfg.optim)
+    lrs = []
+    for _ in range(5):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
