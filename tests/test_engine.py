@@ -99,7 +99,6 @@ def test_ema_update_is_the_exponential_average_and_its_state_round_trips():
     """shadow <- decay shadow + (1 - decay) weight, in fp32, for the trainable weights only; state_dict
     and load_state_dict carry it to a fresh EMA (a resumed run), and a state for another model is
     refused by name."""
-    import pytest
     import torch
 
     from stepfast.engine import EMA
