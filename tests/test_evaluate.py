@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -71,6 +72,22 @@ def test_paired_gain_is_the_overall_difference_with_a_bootstrap_standard_error()
     assert ev.paired_gain(records(before), records(after)) == gain
 
 
+def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
+    """With every seed of a prompt giving the same difference, only the prompt draw spreads the
+    gain: its standard error is that of the mean over categories of each category's prompt mean,
+    sqrt(sum_c var_c / n_c) / C (variances over prompts, 1/n as the bootstrap's)."""
+    colors = [1, 0, 0, 1, 0]
+    counting = [-1, 0, 1, 1]
+    before = {("colors", f"c{i}"): [0] * 4 for i in range(5)}
+    before.update({("counting", f"n{i}"): [1] * 4 for i in range(4)})
+    after = {("colors", f"c{i}"): [d] * 4 for i, d in enumerate(colors)}
+    after.update({("counting", f"n{i}"): [1 + d] * 4 for i, d in enumerate(counting)})
+    gain = ev.paired_gain(records(before), records(after), resamples=4000)
+    assert gain["gain"] == pytest.approx((np.mean(colors) + np.mean(counting)) / 2)
+    want = np.sqrt(np.var(colors) / 5 + np.var(counting) / 4) / 2
+    assert gain["se"] == pytest.approx(want, rel=0.08)
+
+
 def test_paired_gain_needs_the_same_draws_with_a_pass_fail():
     before = records({("colors", "a"): [1, 0], ("counting", "b"): [0, 0]})
     for after in (before[:-1], before + before[:1], [dict(s, seed=s["seed"] + 1) for s in before],
@@ -84,10 +101,14 @@ def test_paired_gain_needs_the_same_draws_with_a_pass_fail():
 
 
 def test_limit_spreads_prompts_over_categories():
-    picked = ev.spread_over_categories(load_metadata("test"), 8)
+    metadata = load_metadata("test")
+    picked = ev.spread_over_categories(metadata, 8)
     assert len(picked) == 8
     assert {m["tag"] for m in picked} == set(CATEGORIES)
     assert len({m["prompt"] for m in picked}) == 8
+    for tag in CATEGORIES:  # each category's first prompts, in file order
+        mine = [m for m in picked if m["tag"] == tag]
+        assert mine == [m for m in metadata if m["tag"] == tag][: len(mine)], tag
 
 
 def test_small_categories_get_more_seeds_up_to_min_images():
@@ -103,8 +124,26 @@ def test_small_categories_get_more_seeds_up_to_min_images():
     assert all(seeds[f"e{i}"] == [3, 5] for i in range(9))  # 18 images already
     assert [m["prompt"] for m, _ in plan[:9]] == ["a"] * 9  # prompt-major
     assert len(ev.plan_samples(metadata, seeds=2)) == 2 * len(metadata)  # min_images=0: GenEval's plan
+    # at least min_images: 10 images over 3 counting prompts are 4 seeds each, not 3
+    seeds = Counter(m["prompt"] for m, _ in ev.plan_samples(metadata, seeds=[3, 5], min_images=10))
+    assert (seeds["a"], seeds["b"], seeds["e0"]) == (10, 4, 2)
     with pytest.raises(ValueError, match="min_images"):
         ev.plan_samples(metadata, 2, min_images=-1)
+
+
+def test_summary_counts_images_names_untagged_categories_and_tables_strict_before_score():
+    plan = [({"prompt": "a photo of a circle"}, 0), ({"prompt": "a photo of two circles"}, 0),
+            ({"prompt": "a photo of a cat"}, 0), ({"prompt": "a photo of a square", "tag": "colors"}, 1),
+            ({"prompt": "a photo of a square", "tag": "colors"}, 2)]
+    scored = {"strict": np.array([1.0, 0.0, 1.0, 0.0, 1.0]), "score": np.array([0.75, 0.5, 1.0, 0.25, 0.25]),
+              "category": np.array([0, 2, -1, 0, 0]), "pixels": np.zeros((5, 8, 8, 3), np.uint8), "seconds": {}}
+    result = ev.summarise(plan, scored, {})
+    assert [s["tag"] for s in result["samples"]] == ["single_object", "counting", "other", "colors", "colors"]
+    assert result["overall"]["n"] == 5 and result["categories"]["colors"]["n"] == 2  # images, not categories
+    table = ev.markdown_table(result).splitlines()
+    assert table[0] == "| category | strict | score | n |"
+    assert "| single_object | 1.000 | 0.750 | 1 |" in table and "| colors | 0.500 | 0.250 | 2 |" in table
+    assert table[-1] == "| **overall** | **0.625** | **0.625** | 5 |"
 
 
 @pytest.mark.parametrize("n, world", [(7, 2), (10, 3), (2, 3), (5, 1)])
