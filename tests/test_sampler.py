@@ -40,3 +40,32 @@ def test_balanced_categories_get_equal_shares_whatever_their_size():
 def test_strata_must_label_every_prompt():
     with pytest.raises(ValueError, match="2 strata labels for 3 prompts"):
         KRepeatSampler(3, 1, 1, 1, 0, 0, strata=["a", "b"])
+
+
+@pytest.mark.parametrize("strata", [None, ["a"] * 20 + ["b"] * 20], ids=["plain", "strata"])
+def test_the_seed_picks_the_order_and_each_category_its_own(strata):
+    """Another run seed draws prompts in another order, and with strata each category's stream is
+    its own permutation, not the same one as every other category's."""
+    def drawn(seed):
+        sampler = KRepeatSampler(40, groups=8, group_size=2, world=1, rank=0, seed=seed, strata=strata)
+        return sum((sampler.group_prompts(i) for i in range(5)), [])
+
+    assert drawn(0) != drawn(1) and drawn(0) == drawn(0)
+    if strata:
+        a, b = ([p % 20 for p in drawn(0) if strata[p] == label] for label in ("a", "b"))
+        assert a != b  # category b's k-th draw is not category a's k-th, shifted
+
+
+def test_every_process_sees_the_categories_in_the_same_order():
+    """Ranks are separate processes with their own string hashing (PYTHONHASHSEED): the categories'
+    order, and so each rank's share of the groups, must not depend on it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from stepfast.data.sampler import KRepeatSampler; "
+            "s = KRepeatSampler(60, 6, 2, 1, 0, 0, strata=[('colors', 'position', 'counting', 'two_object')[i % 4] "
+            "for i in range(60)]); print(s.group_prompts(3))")  # fmt: skip
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in range(6)}  # fmt: skip
+    assert len(outputs) == 1, outputs
