@@ -43,6 +43,44 @@ def make_darkness(scale=1.0):
     return Darkness(scale)
 
 
+def make_darkness_on(device, scale=1.0):
+    """A factory with a required option: called with it, never taken for a scoring function."""
+    reward = Darkness(scale)
+    reward.device = device
+    return reward
+
+
+class Rewards:
+    """Rewards reached by a dotted attribute path, "module:Rewards.Dark"."""
+
+    Dark = Darkness
+
+
+class NeedsPath:
+    def __init__(self, path, device="cpu"):
+        self.path, self.device = path, device
+
+    def score(self, images, prompts, metadata=None):
+        return {"score": torch.zeros(len(prompts))}
+
+
+def test_factories_with_options_dotted_paths_and_missing_options(images):
+    dark = darkness(images, PROMPTS, None)
+    built = rewards.load(f"{__name__}:make_darkness_on", device="cpu", scale=2.0)
+    assert built.device == "cpu"
+    torch.testing.assert_close(built.score(images, PROMPTS)["score"], 2 * dark)
+    torch.testing.assert_close(rewards.load(f"{__name__}:Rewards.Dark").score(images, PROMPTS)["score"], dark)
+    # a missing option is named, not a bare TypeError from the constructor (or, for a factory, a
+    # factory taken for a scoring function and called at score time)
+    for needs in ("NeedsPath", "make_darkness_on"):
+        with pytest.raises(ValueError, match=rf"reward '{__name__}:{needs}': options \[\] do not fit"):
+            rewards.load(f"{__name__}:{needs}")
+    # a factory or class that takes a device gets the policy's; a scoring function gets none
+    assert rewards.with_device(f"{__name__}:make_darkness_on", None, "cuda:2") == {"device": "cuda:2"}
+    assert rewards.with_device(f"{__name__}:NeedsPath", {"path": "p"}, "cuda:2") == {"path": "p", "device": "cuda:2"}
+    assert rewards.with_device(f"{__name__}:make_darkness", None, "cuda:2") == {}
+
+
 def test_custom_rewards_by_import_path_class_factory_and_function(images):
     dark = darkness(images, PROMPTS, None)
     for target, options, expected in [
@@ -125,11 +163,13 @@ def test_weighted_reward_names_a_nan_part(images):
 
 def test_async_scorer_overlaps_and_keeps_order(images):
     started, release = threading.Event(), threading.Event()
+    seen = []
 
     class Slow:
         def score(self, images, prompts, metadata=None):
             started.set()
             assert release.wait(5)
+            seen.append(None if metadata is None else list(metadata))
             return brightness(images, prompts, metadata)
 
     with AsyncScorer(Slow()) as scorer:
@@ -139,9 +179,15 @@ def test_async_scorer_overlaps_and_keeps_order(images):
         expected = brightness(buffer, PROMPTS, None)["score"]
         buffer.zero_()  # the caller reuses its buffer: the scorer copied it
         second = scorer.submit(buffer, PROMPTS)
+        array, metadata = images.copy(), [{"tag": "colors"}] * 3
+        third = scorer.submit(array, PROMPTS, metadata)
+        array[:] = 0  # the same for numpy arrays and the metadata list
+        metadata.clear()
         release.set()
         torch.testing.assert_close(first.result(5)["score"], expected)
         torch.testing.assert_close(second.result(5)["score"], torch.zeros(3))
+        torch.testing.assert_close(third.result(5)["score"], brightness(images, PROMPTS, None)["score"])
+        assert seen == [None, None, [{"tag": "colors"}] * 3]
 
 
 def test_async_scorer_raises_the_reward_error_on_result(images):

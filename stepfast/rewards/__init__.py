@@ -78,22 +78,29 @@ class FunctionReward:
         return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
-def _is_factory(fn) -> bool:
-    """True for a callable that can be called without arguments but not as a scoring function
-    `fn(images, prompts, metadata)`: `make()`, `make(device="cpu")`. Called even without options."""
+def _binds(fn, *args) -> bool | None:
+    """Whether fn(*args) fits fn's signature; None when it has none to read (some builtins)."""
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (some builtins): a scoring function
-        return False
+    except (TypeError, ValueError):
+        return None
     try:
-        signature.bind()
+        signature.bind(*args)
     except TypeError:
         return False
-    try:
-        signature.bind(None, None, None)
-    except TypeError:
-        return True
-    return False
+    return True
+
+
+def _is_scorer(fn) -> bool:
+    """True for a callable that can be called as a scoring function `fn(images, prompts, metadata)`
+    (or whose signature cannot be read); False for a factory that needs other arguments."""
+    return _binds(fn, None, None, None) is not False
+
+
+def _is_factory(fn) -> bool:
+    """True for a callable that can be called without arguments but not as a scoring function:
+    `make()`, `make(device="cpu")`. Called even without options."""
+    return bool(_binds(fn)) and not _is_scorer(fn)
 
 
 def _check_options(name: str, build, options: dict) -> None:
@@ -120,8 +127,8 @@ def load(name: str, **options) -> Reward:
             "a custom reward is given as 'package.module:attribute'"
         )
     obj = _import(target) if isinstance(target, str) else target
-    if callable(obj) and (options or isinstance(obj, type)):
-        _check_options(name, obj, options)
+    if callable(obj) and (options or isinstance(obj, type) or not _is_scorer(obj)):
+        _check_options(name, obj, options)  # a factory's missing options, too: named, not a TypeError
     if isinstance(obj, type):
         return obj(**options)
     if not callable(obj):
@@ -140,8 +147,8 @@ def takes_option(name: str, option: str) -> bool:
     target = REGISTRY.get(name, name if ":" in name else None)
     try:
         obj = _import(target) if isinstance(target, str) else target
-        if obj is None or not (isinstance(obj, type) or _is_factory(obj)):
-            return False
+        if obj is None or not (isinstance(obj, type) or not _is_scorer(obj)):
+            return False  # a scoring function takes no options
         return option in inspect.signature(obj).parameters
     except (ImportError, TypeError, ValueError):
         return False
