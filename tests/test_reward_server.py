@@ -160,6 +160,8 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
          "one size"),
         (json.dumps({"rewards": ["shapes"], "images": [png], "prompts": ["a"], "extra": 1}).encode(), "unknown fields"),
     ]
+    cases.append((json.dumps({"rewards": ["shapes"], "images": [png, png], "prompts": ["a", "b"],
+                              "metadata": [None]}).encode(), '"metadata" must be a list of 2 objects'))  # fmt: skip
     for body, message in cases:
         status, answer = post_raw(server, body)
         assert status == 400 and message in answer["error"], (message, status, answer)
@@ -377,3 +379,26 @@ def test_command_line_port_in_use_is_an_error():
         proc = run_cli("--rewards", "shapes", "--port", str(port))
     assert_cli_error(proc, f"cannot listen on 127.0.0.1:{port}", "Address already in use", "--port")
 
+
+
+def test_batched_requests_keep_their_own_metadata_with_and_without_it():
+    """Requests with metadata and without it, scored in one reward call cut in batch_size chunks:
+    each image is scored with its own record (None for a request that sent none)."""
+    from concurrent.futures import Future
+
+    from stepfast.reward_server import Batcher, ScoreJob
+
+    class EchoIndex:
+        def score(self, images, prompts, metadata=None):
+            records = metadata or [None] * len(prompts)
+            return {"score": torch.tensor([-1.0 if m is None else float(m["i"]) for m in records])}
+
+    batcher = Batcher({"echo": EchoIndex()}, batch_size=2)
+    try:
+        jobs = [ScoreJob(["echo"], np.zeros((n, 4, 4, 3), np.uint8), ["p"] * n, meta, Future())
+                for n, meta in [(2, None), (3, [{"i": 10}, {"i": 11}, {"i": 12}]), (1, None)]]  # fmt: skip
+        batcher._score(jobs)
+        assert [job.future.result(5)["echo"]["score"] for job in jobs] == [[-1.0, -1.0], [10.0, 11.0, 12.0], [-1.0]]
+        assert batcher.calls == 3  # 6 images in chunks of 2
+    finally:
+        batcher.close()
