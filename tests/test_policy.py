@@ -1,5 +1,6 @@
 """The policy's velocity call: what the SD3 transformer is given."""
 
+import pytest
 import torch
 
 from stepfast.models import load_pipeline
@@ -75,3 +76,23 @@ def test_the_reference_policy_is_the_base_model_with_the_adapter_off(tmp_path):
     assert (adapted - want).abs().max() > 1e-3
     torch.testing.assert_close(inside, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(after, adapted, rtol=0, atol=0)
+
+
+def test_the_adapter_has_the_configured_rank_scale_and_targets(tmp_path):
+    """model.lora_rank, lora_alpha and lora_targets reach peft: rank r, scale alpha / r, and LoRA on
+    the named projections only, trainable in fp32 (optimizer states stay exact) over a frozen bf16
+    base."""
+    from stepfast.config import load_config
+    from stepfast.policy import load_policy_pipeline
+
+    model = tiny_pipeline_dir(tmp_path, seed=0)
+    cfg = load_config("default", [f"model.path={model}", "model.lora_rank=4", "model.lora_alpha=12",
+                                  "model.lora_targets=[attn.to_q, attn.to_v]", "model.dtype=bf16"])  # fmt: skip
+    transformer = load_policy_pipeline(cfg.model, torch.device("cpu")).transformer
+    assert transformer.proj_out.weight.dtype == torch.bfloat16  # the frozen base, in model.dtype
+    adapted = {name: module for name, module in transformer.named_modules() if hasattr(module, "lora_A")}
+    assert adapted and all(name.endswith(("attn.to_q", "attn.to_v")) for name in adapted)
+    for module in adapted.values():
+        assert module.r["default"] == 4 and module.scaling["default"] == pytest.approx(12 / 4)
+    trainable = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable)
