@@ -254,7 +254,8 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
 
 def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) -> None:
     """cfg.<dotted> = value. `raw`: the text typed on the command line, kept as it is for a key that
-    holds text when YAML read it as a number or a boolean (output_dir=1e-3, run name 2024)."""
+    holds text when YAML read it as something else that is not a list or a mapping: a number, a
+    boolean, a date (output_dir=1e-3, output_dir=2024-06-01)."""
     obj = cfg
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -268,7 +269,7 @@ def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) ->
                 _apply(current, value, f"{where}.")
             else:
                 hint = _type_hints(type(obj))[part]
-                if raw is not None and hint is str and isinstance(value, (bool, int, float)):
+                if raw is not None and hint is str and value is not None and not isinstance(value, (str, list, dict)):
                     value = raw.strip()
                 setattr(obj, part, _coerce(value, hint, where))
         else:
@@ -469,11 +470,13 @@ def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
     """Settings that run but are probably not what was meant, one sentence each (the trainer prints
     them at start). `trained`: the steps the update trains (stepfast.grpo.trained_steps), when known."""
     out = []
-    if trained and trained[-1] == cfg.sde.steps - 1:
+    last = cfg.sde.steps - 1
+    if trained and last in trained and last > 0:
+        start = cfg.sde.window[0] if cfg.sde.window else 0
         out.append(
-            f"sampler={cfg.sampler} trains the last step (t_1 -> 0, std below 0.01 on SD3's grid), which "
+            f"sampler={cfg.sampler} trains the last step (t_1 -> 0, the smallest std of the grid), which "
             "Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
-            f"step; set sde.window=[0, {cfg.sde.steps - 1}] (as the flow_grpo preset does) or raise sde.min_std"
+            f"step; set sde.window=[{start}, {last}] (as the flow_grpo preset does) or raise sde.min_std"
         )
     if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
         out.append(

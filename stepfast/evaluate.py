@@ -408,23 +408,30 @@ def write_report(result: dict, out: Path, columns: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=EMBEDDED_MODEL, help="diffusers SD3 pipeline directory (default: the embedded model)")
+    parser.add_argument("--model", default=EMBEDDED_MODEL,
+                        help="diffusers SD3 pipeline directory (default: the embedded model)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--lora", default=None, help="LoRA weights to load onto the transformer")
     weights.add_argument("--transformer", default=None,
                          help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
-    parser.add_argument("--prompts", default="test", help="train | test | *_metadata.jsonl | prompts .txt (default %(default)s)")
-    parser.add_argument("--seeds", type=int, default=4, help="images per prompt, seeds 0..N-1 (default %(default)s)")
+    parser.add_argument("--prompts", default="test",
+                        help="train | test | *_metadata.jsonl | prompts .txt (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=4, help="images per prompt, seeds 0..N-1 (default: %(default)s)")
     parser.add_argument("--min-images", type=int, default=32,
-                        help="more seeds for the prompts of a category with fewer images than this (0: off; default %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="sampling steps (default %(default)s)")
-    parser.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale (default %(default)s)")
-    parser.add_argument("--out", default="outputs/evaluate", help="directory for results.json/.md and samples.png (default %(default)s)")
+                        help="more seeds for the prompts of a category with fewer images than this "
+                             "(0: off; default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="sampling steps (default: %(default)s)")
+    parser.add_argument("--cfg", type=float, default=4.5,
+                        help="classifier-free guidance scale (default: %(default)s)")
+    parser.add_argument("--out", default="outputs/evaluate",
+                        help="directory for results.json/.md and samples.png (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an evaluation already in --out")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only N prompts, spread over categories (default: all)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per pipeline call (default %(default)s)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate only N prompts, spread over categories (default: all)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per pipeline call (default: %(default)s)")
     parser.add_argument("--size", type=int, default=None, help="image side (default: the model's)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to sample (default %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to sample (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.steps < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--seeds, --steps, --batch-size and --limit must be positive")

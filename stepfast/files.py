@@ -3,6 +3,7 @@ and files written whole."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Callable
@@ -16,7 +17,8 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     try:
         write(tmp)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to see
+            tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
 

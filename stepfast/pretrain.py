@@ -335,13 +335,20 @@ def write_pipeline(pipe, out: Path) -> None:
 def main(argv: list[str] | None = None) -> Path:
     defaults = PretrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=EMBEDDED_MODEL, help="output pipeline directory (default: the embedded model)")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="transformer training steps (default %(default)s)")
-    parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps, help="VAE training steps (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="scenes per step (default %(default)s)")
-    parser.add_argument("--pool-size", type=int, default=defaults.pool_size, help="scenes encoded for phase 3 (default %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to train (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the scenes, noise and weights (default %(default)s)")
+    parser.add_argument("--out", default=EMBEDDED_MODEL,
+                        help="output pipeline directory (default: the embedded model)")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="transformer training steps (default: %(default)s)")
+    parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps,
+                        help="VAE training steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="scenes per transformer step (default: %(default)s)")
+    parser.add_argument("--pool-size", type=int, default=defaults.pool_size,
+                        help="scenes encoded for phase 3 (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to train (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the scenes, noise and weights (default: %(default)s)")
     parser.add_argument("--vae", default=None, help="reuse the VAE of this pretrained pipeline (skips phase 1)")
     parser.add_argument(
         "--snapshot-every", type=int, default=0,

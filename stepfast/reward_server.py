@@ -350,11 +350,14 @@ def _reward_options(text: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stepfast.reward_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rewards", required=True, help="comma-separated reward names or module:attr paths")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8600, help="port, 0 for any free one (default %(default)s)")
-    parser.add_argument("--max-request-mb", type=float, default=256, help="largest request body in MiB (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=64, help="most images per reward call (default %(default)s)")
-    parser.add_argument("--batch-window-ms", type=float, default=5, help="how long to gather requests, ms (default %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8600, help="port, 0 for any free one (default: %(default)s)")
+    parser.add_argument("--max-request-mb", type=float, default=256,
+                        help="largest request body in MiB (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="most images per reward call (default: %(default)s)")
+    parser.add_argument("--batch-window-ms", type=float, default=5,
+                        help="how long to gather requests, ms (default: %(default)s)")
     parser.add_argument("--reward-options", default="{}", help='JSON {"name": {...}}, or @file.json')
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)

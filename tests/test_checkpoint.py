@@ -58,10 +58,14 @@ def test_a_checkpoint_is_complete_before_it_takes_its_final_name(tmp_path, monke
 
 def test_load_restores_the_engine_every_rng_and_the_state(tmp_path):
     engine = FileEngine(3.5)
-    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
     path = checkpoint.save(tmp_path, 1, engine, {"iteration": 1, "sampler_position": 1}, rank=0, world=1)
     after_save = (random.random(), float(np.random.rand()), torch.rand(3))
-    random.seed(2), np.random.seed(2), torch.manual_seed(2)  # the resumed process's own state
+    random.seed(2)  # the resumed process's own state
+    np.random.seed(2)
+    torch.manual_seed(2)
     restored = FileEngine()
     state = checkpoint.load(path, restored, rank=0)
     assert state == {"iteration": 1, "sampler_position": 1} and restored.value == 3.5

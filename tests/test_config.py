@@ -63,10 +63,13 @@ def test_dotted_overrides_reach_into_mappings_and_keep_the_rest():
 
 
 def test_a_key_that_holds_text_keeps_what_was_typed_on_the_command_line():
-    """output_dir=1e-3 names a folder: YAML reads the value as a number, the key holds text, so the
-    text as typed is kept (not "0.001"); numbers stay numbers and errors stay errors elsewhere."""
-    cfg = load_config("default", ["output_dir=1e-3", "log.wandb_project=2024", "resume=none", "optim.lr=1e-3"])
+    """output_dir=1e-3 names a folder: YAML reads the value as a number (or a date, or a boolean), the
+    key holds text, so the text as typed is kept (not "0.001"); numbers stay numbers and errors stay
+    errors elsewhere."""
+    cfg = load_config("default", ["output_dir=1e-3", "log.wandb_project=2024", "optim.lr=1e-3"])
     assert cfg.output_dir == "1e-3" and cfg.log.wandb_project == "2024" and cfg.optim.lr == 1e-3
+    assert load_config("default", ["output_dir=2024-06-01"]).output_dir == "2024-06-01"  # not a date
+    assert load_config("default", ["log.wandb_project=true"]).log.wandb_project == "true"
     assert load_config("default", ["output_dir=runs/007"]).output_dir == "runs/007"
     with pytest.raises(ConfigError, match="iterations: expected int"):
         load_config("default", ["iterations=abc"])
@@ -283,6 +286,8 @@ def test_training_the_last_step_is_warned_about():
     assert trained_steps(cfg) == list(range(10))
     (warning,) = config_warnings(cfg, trained_steps(cfg))
     assert "sampler=flow_sde trains the last step" in warning and "sde.window=[0, 9]" in warning
+    cfg = load_config("flow_grpo", ["sde.window=[2, 10]"])  # the window's own start is kept
+    assert "sde.window=[2, 9]" in config_warnings(cfg, trained_steps(cfg))[0]
     cfg = load_config("flow_grpo", ["sde.window=null", "sde.min_std=0.01"])  # above that std: not trained
     assert trained_steps(cfg)[-1] == 8 and config_warnings(cfg, trained_steps(cfg)) == []
 

@@ -127,7 +127,8 @@ def test_the_sde_window_is_the_only_stochastic_and_trained_part_of_the_rollout(r
         else:
             torch.testing.assert_close(traj.states[j + 1], ode, rtol=0, atol=1e-6)
             assert bool((traj.log_probs[j] == 0).all())
-    # without the window every step with a std above sde.min_std is trained (ddim: all but the first)
+    # without the window every step with a std above sde.min_std is trained (ddim: not the first,
+    # deterministic at t = 1, nor the last, to t = 0)
     no_window = load_config("default", ["sde.steps=5", "sde.min_std=0.0001"])
     assert grpo.trained_steps(no_window, grid) == [1, 2, 3]
 

@@ -445,6 +445,7 @@ def test_select_backend(monkeypatch):
     with pytest.raises(ValueError, match="runs on CPU tensors"):
         select_backend("cuda", "cpp")
     # the defaults by device (no GPU needed to choose): triton on CUDA when it imports, else torch
+    monkeypatch.setattr(dispatch, "_triton_import_error", lambda: None)
     assert select_backend("cuda") == "triton" and select_backend("meta") == "torch"
     monkeypatch.setattr(dispatch, "_triton_import_error", lambda: "No module named 'triton'")
     assert select_backend("cuda") == "torch"

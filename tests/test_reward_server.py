@@ -380,7 +380,6 @@ def test_command_line_port_in_use_is_an_error():
     assert_cli_error(proc, f"cannot listen on 127.0.0.1:{port}", "Address already in use", "--port")
 
 
-
 def test_batched_requests_keep_their_own_metadata_with_and_without_it():
     """Requests with metadata and without it, scored in one reward call cut in batch_size chunks:
     each image is scored with its own record (None for a request that sent none)."""

@@ -3,6 +3,7 @@ answer as each test needs: which failures are retried and after how long, what t
 and how a batch larger than `batch_size` is cut and put back together."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from loopback import LoopbackServer
 def no_sleep(monkeypatch):
     """Records the waits between tries instead of waiting."""
     waits = []
-    monkeypatch.setattr(transport.time, "sleep", waits.append)
+    monkeypatch.setattr(transport, "time", SimpleNamespace(sleep=waits.append))  # this module's sleeps only
     return waits
 
 

@@ -66,6 +66,6 @@ def test_every_process_sees_the_categories_in_the_same_order():
     code = ("from stepfast.data.sampler import KRepeatSampler; "
             "s = KRepeatSampler(60, 6, 2, 1, 0, 0, strata=[('colors', 'position', 'counting', 'two_object')[i % 4] "
             "for i in range(60)]); print(s.group_prompts(3))")  # fmt: skip
-    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                               env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in range(6)}  # fmt: skip
     assert len(outputs) == 1, outputs

@@ -112,6 +112,11 @@ def _check_options(name: str, build, options: dict) -> None:
     try:
         signature.bind(**options)
     except TypeError as exc:
+        if not options and not isinstance(build, type):  # neither a scorer nor a factory without options
+            raise ValueError(
+                f"reward {name!r}: {signature} is not a scoring function fn(images, prompts, metadata), and as a "
+                f"factory it needs options ({exc}): give them in reward.options"
+            ) from None
         raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
 
 
@@ -147,7 +152,7 @@ def takes_option(name: str, option: str) -> bool:
     target = REGISTRY.get(name, name if ":" in name else None)
     try:
         obj = _import(target) if isinstance(target, str) else target
-        if obj is None or not (isinstance(obj, type) or not _is_scorer(obj)):
+        if obj is None or (not isinstance(obj, type) and _is_scorer(obj)):
             return False  # a scoring function takes no options
         return option in inspect.signature(obj).parameters
     except (ImportError, TypeError, ValueError):
