@@ -35,21 +35,28 @@ class Engine(torch.nn.Module):
         return False
 
 
-def test_update_gradient_is_minus_advantage_times_grad_log_prob(tmp_path):
-    """On-policy (every ratio 1) the PPO-clip loss's gradient is that of -mean_i(A_ij log p_ij) summed
-    over the trained steps j: a flipped sign or an advantage taken from the neighbouring step fails."""
+def rollout(tmp_path, members: int, clip_range: float):
+    """(config, pipeline with a trainable transformer, conditioning, trajectory) of one group of
+    `members` on a tiny SD3 model: 4 ddim steps, micro-batches of 2, no CFG."""
     torch.manual_seed(0)
     model = tiny_pipeline_dir(tmp_path, seed=0)
     cfg = load_config("default", [f"model.path={model}", "sde.steps=4", "sde.min_std=0.0001", "rollout.groups=1",
-                                  "rollout.group_size=2", "rollout.micro_batch=2", "rollout.cfg=1.0",
-                                  "optim.clip_range=0.2"])  # fmt: skip
+                                  f"rollout.group_size={members}", "rollout.micro_batch=2", "rollout.cfg=1.0",
+                                  f"optim.clip_range={clip_range}"])  # fmt: skip
     pipe = load_pipeline(model)
     pipe.transformer.requires_grad_(True)
-    cond = encode_prompts(pipe, ["a photo of a red circle"] * 2, cfg.rollout.cfg, torch.device("cpu"))
+    cond = encode_prompts(pipe, ["a photo of a red circle"] * members, cfg.rollout.cfg, torch.device("cpu"))
     shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
-    x_init, noise = sample_noise(0, 1, [0, 0], [0, 1], shape, cfg.sde.steps, True)
-    grid = sd3_time_grid(cfg.sde.steps)
-    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, grid, cfg)
+    x_init, noise = sample_noise(0, 1, [0] * members, list(range(members)), shape, cfg.sde.steps, True)
+    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, sd3_time_grid(cfg.sde.steps), cfg)
+    return cfg, pipe, cond, traj
+
+
+def test_update_gradient_is_minus_advantage_times_grad_log_prob(tmp_path):
+    """On-policy (every ratio 1) the PPO-clip loss's gradient is that of -mean_i(A_ij log p_ij) summed
+    over the trained steps j: a flipped sign or an advantage taken from the neighbouring step fails."""
+    cfg, pipe, cond, traj = rollout(tmp_path, members=2, clip_range=0.2)
+    grid = traj.grid
     trained = traj.trained.nonzero().flatten().tolist()
     assert len(trained) >= 2  # the step index matters
     adv = torch.randn(2, cfg.sde.steps, generator=torch.Generator().manual_seed(1))  # per sample and step
@@ -95,17 +102,7 @@ def test_update_reports_the_first_micro_step_on_policy_and_every_optimizer_step(
     """With an optimizer step after every backward, later micro-steps are off-policy (ratio != 1) but
     the logged first_* statistics are the first micro-step's (ratio exactly 1), grad_norm is the mean
     over the optimizer steps, and the EMA is updated once per optimizer step."""
-    torch.manual_seed(0)
-    model = tiny_pipeline_dir(tmp_path, seed=0)
-    cfg = load_config("default", [f"model.path={model}", "sde.steps=4", "sde.min_std=0.0001", "rollout.groups=1",
-                                  "rollout.group_size=4", "rollout.micro_batch=2", "rollout.cfg=1.0",
-                                  "optim.clip_range=10"])  # fmt: skip
-    pipe = load_pipeline(model)
-    pipe.transformer.requires_grad_(True)
-    cond = encode_prompts(pipe, ["a photo of a red circle"] * 4, cfg.rollout.cfg, torch.device("cpu"))
-    shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
-    x_init, noise = sample_noise(0, 1, [0] * 4, list(range(4)), shape, cfg.sde.steps, True)
-    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, sd3_time_grid(cfg.sde.steps), cfg)
+    cfg, pipe, cond, traj = rollout(tmp_path, members=4, clip_range=10)
     adv = torch.randn(4, cfg.sde.steps, generator=torch.Generator().manual_seed(1))
 
     class CountingEMA:
