@@ -473,10 +473,11 @@ def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
     last = cfg.sde.steps - 1
     if trained and last in trained and last > 0:
         start = cfg.sde.window[0] if cfg.sde.window else 0
+        fix = f"set sde.window=[{start}, {last}] (as the flow_grpo preset does) or raise" if start < last else "raise"
         out.append(
             f"sampler={cfg.sampler} trains the last step (t_1 -> 0, the smallest std of the grid), which "
-            "Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
-            f"step; set sde.window=[{start}, {last}] (as the flow_grpo preset does) or raise sde.min_std"
+            f"Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
+            f"step; {fix} sde.min_std"
         )
     if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
         out.append(

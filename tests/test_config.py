@@ -288,6 +288,9 @@ def test_training_the_last_step_is_warned_about():
     assert "sampler=flow_sde trains the last step" in warning and "sde.window=[0, 9]" in warning
     cfg = load_config("flow_grpo", ["sde.window=[2, 10]"])  # the window's own start is kept
     assert "sde.window=[2, 9]" in config_warnings(cfg, trained_steps(cfg))[0]
+    cfg = load_config("flow_grpo", ["sde.window=[9, 10]"])  # no window left to suggest
+    (warning,) = config_warnings(cfg, trained_steps(cfg))
+    assert "sde.window" not in warning and warning.endswith("; raise sde.min_std")
     cfg = load_config("flow_grpo", ["sde.window=null", "sde.min_std=0.01"])  # above that std: not trained
     assert trained_steps(cfg)[-1] == 8 and config_warnings(cfg, trained_steps(cfg)) == []
 
