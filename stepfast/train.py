@@ -28,7 +28,7 @@ from stepfast.config import ConfigError, config_warnings, load_config, to_dict, 
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
-from stepfast.files import check_creatable_dir
+from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
@@ -125,7 +125,7 @@ class Trainer:
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
                                     logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
-            (self.out / "config.yaml").write_text(to_yaml(cfg))
+            write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
     def _strata(self) -> list[str] | None:

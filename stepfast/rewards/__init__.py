@@ -78,29 +78,18 @@ class FunctionReward:
         return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
-def _binds(fn, *args) -> bool | None:
-    """Whether fn(*args) fits fn's signature; None when it has none to read (some builtins)."""
+def _is_scorer(fn) -> bool:
+    """True for a callable that can be called as a scoring function `fn(images, prompts, metadata)`
+    (or whose signature cannot be read: some builtins); False for a factory."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None
+        return True
     try:
-        signature.bind(*args)
+        signature.bind(None, None, None)
     except TypeError:
         return False
     return True
-
-
-def _is_scorer(fn) -> bool:
-    """True for a callable that can be called as a scoring function `fn(images, prompts, metadata)`
-    (or whose signature cannot be read); False for a factory that needs other arguments."""
-    return _binds(fn, None, None, None) is not False
-
-
-def _is_factory(fn) -> bool:
-    """True for a callable that can be called without arguments but not as a scoring function:
-    `make()`, `make(device="cpu")`. Called even without options."""
-    return bool(_binds(fn)) and not _is_scorer(fn)
 
 
 def _check_options(name: str, build, options: dict) -> None:
@@ -132,13 +121,16 @@ def load(name: str, **options) -> Reward:
             "a custom reward is given as 'package.module:attribute'"
         )
     obj = _import(target) if isinstance(target, str) else target
-    if callable(obj) and (options or isinstance(obj, type) or not _is_scorer(obj)):
-        _check_options(name, obj, options)  # a factory's missing options, too: named, not a TypeError
+    # a factory: a function that cannot score (`make()`, `make(device="cpu")`, `make(path)`); it is
+    # called even without options, whose fit is checked first (a missing one named, not a TypeError)
+    factory = callable(obj) and not isinstance(obj, type) and not _is_scorer(obj)
+    if callable(obj) and (options or isinstance(obj, type) or factory):
+        _check_options(name, obj, options)
     if isinstance(obj, type):
         return obj(**options)
     if not callable(obj):
         raise TypeError(f"reward {name!r} resolves to {obj!r}, which is neither a class nor a function")
-    if options or _is_factory(obj):  # a factory: called with the options, it must return a reward
+    if options or factory:  # called with the options, it must return a reward
         built = obj(**options)
         if not hasattr(built, "score"):
             raise TypeError(f"reward factory {name!r} returned {type(built).__name__}, which has no score()")
