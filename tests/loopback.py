@@ -43,3 +43,9 @@ class LoopbackServer:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+    def __enter__(self) -> "LoopbackServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -53,10 +53,11 @@ def rollout(tmp_path_factory):
     shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
     grid = sd3_time_grid(cfg.sde.steps, shift=3.0)
 
-    def run(same_latent: bool):
+    def run(same_latent: bool, config=cfg):
+        """The rollout of the two groups, with the fixture's settings or those of `config`."""
         groups, members = [0] * 4 + [1] * 4, list(range(4)) * 2
-        x_init, noise = sample_noise(cfg.seed, 1, groups, members, shape, cfg.sde.steps, same_latent)
-        return grpo.rollout(pipe.transformer, cond, x_init, noise, grid, cfg)
+        x_init, noise = sample_noise(config.seed, 1, groups, members, shape, config.sde.steps, same_latent)
+        return grpo.rollout(pipe.transformer, cond, x_init, noise, grid, config)
 
     return cfg, pipe, cond, run
 
@@ -110,14 +111,12 @@ def test_each_estimate_is_euler_substeps_from_its_own_state_and_time_to_zero(rol
 def test_the_sde_window_is_the_only_stochastic_and_trained_part_of_the_rollout(rollout):
     """sde.window=[1, 3]: steps 1 and 2 draw noise, carry a log-prob and are trained; steps 0, 3 and
     4 are plain ODE steps with no log-prob, and grpo.trained_steps (which sizes the update) agrees."""
-    cfg, pipe, cond, _ = rollout
+    cfg, _, _, run = rollout
     cfg = load_config("default", [f"model.path={cfg.model.path}", "sde.steps=5", "rollout.groups=2",
                                   "rollout.group_size=4", "rollout.micro_batch=8", "rollout.cfg=2.0",
                                   "sde.window=[1, 3]", "sde.min_std=0.0001"])  # fmt: skip
-    shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
-    grid = sd3_time_grid(cfg.sde.steps, shift=3.0)
-    x_init, noise = sample_noise(cfg.seed, 1, [0] * 4 + [1] * 4, list(range(4)) * 2, shape, cfg.sde.steps, True)
-    traj = grpo.rollout(pipe.transformer, cond, x_init, noise, grid, cfg)
+    traj = run(same_latent=True, config=cfg)
+    grid = traj.grid
     assert traj.trained.tolist() == [False, True, True, False, False]
     assert grpo.trained_steps(cfg, grid) == [1, 2]
     for j in range(cfg.sde.steps):

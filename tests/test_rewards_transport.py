@@ -30,30 +30,21 @@ def serve(statuses):
 
 
 def test_waits_double_up_to_the_cap_and_408_429_5xx_are_retried(no_sleep):
-    server = serve([503, 429, 408, 500, 200])
-    try:
+    with serve([503, 429, 408, 500, 200]) as server:
         got = transport.post(server.url + "/score?key=v", b"{}", json.loads, retries=5, backoff=20.0)
-    finally:
-        server.close()
     assert got == {"ok": 1} and len(server.requests) == 5
     assert no_sleep == [20.0, 40.0, 60.0, 60.0]  # backoff * 2**k, at most MAX_BACKOFF_S
     assert all(path == "/score?key=v" for path, _, _ in server.requests)  # the query string is kept
 
 
 def test_a_rejected_request_fails_at_once_and_a_failing_server_after_every_try(no_sleep):
-    server = serve([400])
-    try:
-        with pytest.raises(RewardServerError, match=r"failed after 1 attempt\(s\); last failure: HTTP 400"):
-            transport.post(server.url, b"{}", json.loads, retries=5, backoff=1.0)
-    finally:
-        server.close()
+    rejected = r"after 1 attempt\(s\); last failure: HTTP 400"
+    with serve([400]) as server, pytest.raises(RewardServerError, match=rejected):
+        transport.post(server.url, b"{}", json.loads, retries=5, backoff=1.0)
     assert no_sleep == []
-    server = serve([502] * 3)
-    try:
-        with pytest.raises(RewardServerError, match=r"failed after 3 attempt\(s\); last failure: HTTP 502"):
-            transport.post(server.url, b"{}", json.loads, retries=2, backoff=1.0)
-    finally:
-        server.close()
+    failing = r"after 3 attempt\(s\); last failure: HTTP 502"
+    with serve([502] * 3) as server, pytest.raises(RewardServerError, match=failing):
+        transport.post(server.url, b"{}", json.loads, retries=2, backoff=1.0)
     assert no_sleep == [1.0, 2.0]
 
 
@@ -77,13 +68,10 @@ def scores_of_metadata(extra_key_once=False, wrong_length_once=False):
 
 
 def test_a_large_batch_is_cut_in_requests_that_each_carry_their_own_metadata(no_sleep):
-    server = LoopbackServer(scores_of_metadata())
     images = np.zeros((5, 8, 8, 3), np.uint8)
-    try:
+    with LoopbackServer(scores_of_metadata()) as server:
         reward = rewards.load("remote", url=server.url, rewards=" shapes ,", batch_size=2, retries=0)
         out = reward.score(images, ["p"] * 5, [{"i": i} for i in range(5)])
-    finally:
-        server.close()
     assert reward.names == ["shapes"]  # the comma list's names, stripped
     assert out["score"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert [len(json.loads(body)["images"]) for _, _, body in server.requests] == [2, 2, 1]
@@ -91,22 +79,13 @@ def test_a_large_batch_is_cut_in_requests_that_each_carry_their_own_metadata(no_
 
 def test_answers_of_the_wrong_length_or_keys_in_some_batches_only_are_named(no_sleep):
     images, metadata = np.zeros((3, 8, 8, 3), np.uint8), [{"i": i} for i in range(3)]
-    server = LoopbackServer(scores_of_metadata(wrong_length_once=True))
-    try:  # a short answer is malformed: retried, then scored
+    with LoopbackServer(scores_of_metadata(wrong_length_once=True)) as server:  # malformed: retried, then scored
         out = rewards.load("remote", url=server.url, rewards=["shapes"], retries=1).score(images, ["p"] * 3, metadata)
-    finally:
-        server.close()
     assert out["score"].tolist() == [0.0, 1.0, 2.0] and len(server.requests) == 2
-    server = LoopbackServer(lambda path, body: (200, b'{"scores": {"shapes": {"score": [1.0]}}}'))
-    try:
-        with pytest.raises(RewardServerError, match="shapes/score is not a list of 3 numbers"):
-            rewards.load("remote", url=server.url, rewards=["shapes"], retries=0).score(images, ["p"] * 3)
-    finally:
-        server.close()
-    server = LoopbackServer(scores_of_metadata(extra_key_once=True))
-    try:
-        with pytest.raises(RewardServerError, match=r"reward 'shapes' returned \['extra'\] for some batches only"):
-            rewards.load("remote", url=server.url, rewards=["shapes"], batch_size=2, retries=0).score(
-                images, ["p"] * 3, metadata)  # fmt: skip
-    finally:
-        server.close()
+    short = LoopbackServer(lambda path, body: (200, b'{"scores": {"shapes": {"score": [1.0]}}}'))
+    with short, pytest.raises(RewardServerError, match="shapes/score is not a list of 3 numbers"):
+        rewards.load("remote", url=short.url, rewards=["shapes"], retries=0).score(images, ["p"] * 3)
+    uneven = LoopbackServer(scores_of_metadata(extra_key_once=True))
+    with uneven, pytest.raises(RewardServerError, match=r"reward 'shapes' returned \['extra'\] for some batches only"):
+        rewards.load("remote", url=uneven.url, rewards=["shapes"], batch_size=2, retries=0).score(
+            images, ["p"] * 3, metadata)  # fmt: skip
