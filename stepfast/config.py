@@ -243,6 +243,8 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
     hints = _type_hints(type(obj))
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {where!r} is {type(key).__name__}, not text: keys are names of settings")
         if key not in fields:
             raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields, prefix)}")
         current = getattr(obj, key)
@@ -345,7 +347,10 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
             raise ConfigError(f"{path}: malformed YAML: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-        _apply(cfg, data)
+        try:
+            _apply(cfg, data)
+        except ConfigError as exc:  # the key is the file's, not an override's
+            raise ConfigError(f"{path}: {exc}") from None
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(cfg, key, value, raw=text.partition("=")[2])
@@ -431,6 +436,31 @@ def validate(cfg: Config) -> None:
             "device=nvme) is not supported: each rank averages its partitions in memory; offload them to the "
             "cpu, or set optim.ema=0"
         )
+    if cfg.seed >= 2**63:
+        raise ConfigError(f"seed must be below 2**63 (a 64-bit generator seed), got {cfg.seed}")
+    if cfg.model.lora:
+        if cfg.model.lora_rank < 1:
+            raise ConfigError(f"model.lora_rank must be >= 1, got {cfg.model.lora_rank}")
+        if not cfg.model.lora_alpha > 0:
+            raise ConfigError(f"model.lora_alpha must be > 0 (the adapter's scale is alpha / rank), got "
+                              f"{cfg.model.lora_alpha}")  # fmt: skip
+        if not cfg.model.lora_targets:
+            raise ConfigError("model.lora_targets is empty: name the modules to adapt, or set model.lora=false")
+    if not cfg.reward.weights:
+        raise ConfigError("reward.weights is empty: give at least one reward, e.g. reward.weights={shapes: 1.0}")
+    unused = sorted(set(cfg.reward.options) - set(cfg.reward.weights) - {cfg.eval.reward})
+    if unused:
+        names = [*cfg.reward.weights, cfg.eval.reward]
+        raise ConfigError(
+            f"reward.options.{unused[0]}: {unused[0]!r} is neither a reward in reward.weights nor eval.reward"
+            f"{_suggest(unused[0], names, 'reward.options.')}"
+        )
+    for key in ("resume", "model.path", "rollout.prompts", "eval.prompts", "eval.reward"):
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not str(value).strip():
+            raise ConfigError(f"{key} is empty (an unset variable?)")
     if cfg.sde.eta > 1:
         raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
     if not str(cfg.output_dir).strip():

@@ -71,12 +71,19 @@ class Trainer:
         if self.resume_from is not None:
             checkpoint.check_world(self.resume_from, world)
             self._check_no_later_checkpoints()
+            done = checkpoint.iteration_of(self.resume_from)
+            if done is not None and done > cfg.iterations:  # (equal: the evaluation and report are left to do)
+                raise ConfigError(
+                    f"iterations={cfg.iterations}, but {self.resume_from} is at iteration {done}: a run cannot "
+                    f"go back; give iterations >= {done}, or another output_dir"
+                )
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         try:  # a reward built without an option it needs raises TypeError: bad input, named
-            options = dict(cfg.reward.options)  # a model reward runs on this rank's device unless set
-            options.update({name: rewards.with_device(name, options.get(name), device) for name in cfg.reward.weights})
+            # a model reward runs on this rank's device unless set; eval.reward's options are its own
+            options = {name: rewards.with_device(name, cfg.reward.options.get(name), device)
+                       for name in cfg.reward.weights}  # fmt: skip
             self.reward = rewards.load_weighted(cfg.reward.weights, options)
         except TypeError as exc:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc

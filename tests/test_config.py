@@ -134,6 +134,18 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("optim.deepspeed={zero_optimization: 0}",
      "optim.deepspeed.zero_optimization must be a mapping (it holds stage), got 0"),
     ("optim.deepspeed=[1]", "optim.deepspeed: expected a mapping"),
+    ("seed=9223372036854775808", "seed must be below 2**63"),
+    ("model.lora_rank=0", "model.lora_rank must be >= 1, got 0"),
+    ("model.lora_alpha=0", "model.lora_alpha must be > 0"),
+    ("model.lora_targets=[]", "model.lora_targets is empty"),
+    ("reward.weights={}", "reward.weights is empty"),
+    ("reward.options.shape.scale=2", "reward.options.shape: 'shape' is neither a reward in reward.weights nor "
+                                     "eval.reward; did you mean 'reward.options.shapes'?"),
+    ("resume=", "resume is empty"),
+    ("model.path=", "model.path is empty"),
+    ("rollout.prompts=", "rollout.prompts is empty"),
+    ("eval.prompts=' '", "eval.prompts is empty"),
+    ("eval.reward=", "eval.reward is empty"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -150,8 +162,15 @@ def test_bad_preset_and_yaml(tmp_path):
         load_config(str(bad))
     typo = tmp_path / "typo.yaml"
     typo.write_text("rollout:\n  grups: 3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'rollout.grups'; did you mean 'rollout.groups'"):
+    with pytest.raises(ConfigError, match="typo.yaml: unknown config key 'rollout.grups'; did you mean 'rollout.groups'"):
         load_config(str(typo))
+    for text, message in [("- 1\n", "listed.yaml: config: expected a mapping, got [1]"),
+                          ("1: 2\n", "listed.yaml: config key '1' is int, not text"),
+                          ("rollout: {3: 4}\n", "listed.yaml: config key 'rollout.3' is int, not text")]:
+        (tmp_path / "listed.yaml").write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_config(str(tmp_path / "listed.yaml"))
+        assert message in str(err.value)
     with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="config file '.*' is a directory"):

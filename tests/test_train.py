@@ -441,11 +441,13 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
 
 
 def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path):
-    """As the SD3.5 presets' eval rewards: options from reward.options, and (PickScore) no pass/fail."""
+    """As the SD3.5 presets' eval rewards: options from reward.options, also for an eval reward that
+    is not a training reward (evaluating with PickScore a run trained on another reward), and
+    (PickScore) no pass/fail."""
     name = "train_helpers:ScaledBrightness"
     out = tmp_path / "run"
     cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0,
-                      reward={"weights": {name: 1.0}, "options": {name: {"scale": 0.5}}},
+                      reward={"weights": {"train_helpers:brightness": 1.0}, "options": {name: {"scale": 0.5}}},
                       eval={"before_after": True, "reward": name, "limit": 2, "seeds": 1, "min_images": 0,
                             "steps": 2},
                       log={"tensorboard": False, "report": True})  # fmt: skip
@@ -570,6 +572,7 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, damage
     (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
     (None, ["resume={out}/checkpoints/checkpoint-000002"], "holds a later checkpoint"),
+    (None, ["iterations=3"], "iterations=3, but {out}/checkpoints/checkpoint-000004 is at iteration 4: a run cannot go back"),
 ])  # fmt: skip
 def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, tmp_path, damage, overrides, message):
     config, out, _ = copy_run(baseline, tmp_path)
@@ -584,7 +587,7 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
     files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     proc = train(config, "resume=auto", "iterations=6", *overrides, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert message in proc.stderr
+    assert message.format(out=out) in proc.stderr
     assert_unchanged(out, files)
 
 
