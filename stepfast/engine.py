@@ -167,10 +167,16 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
         raise ValueError("the model has no trainable parameters (check model.lora / model.lora_targets)")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     scheduler = warmup_scheduler(optimizer, optim)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(optim, micro_batch, accumulation),
-    )  # fmt: skip
+    try:
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(optim, micro_batch, accumulation),
+        )  # fmt: skip
+    except ValueError as exc:  # its config's validation, or a precision this device lacks
+        raise ValueError(
+            f"DeepSpeed refused this run's settings (optim.zero_stage={optim.zero_stage}, optim.precision="
+            f"{optim.precision}, optim.deepspeed={optim.deepspeed}): {exc}"
+        ) from exc
     return engine, optimizer, scheduler
 
 

@@ -54,10 +54,13 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        transformer.add_adapter(
-            LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                       target_modules=list(cfg.lora_targets))
-        )
+        try:
+            transformer.add_adapter(
+                LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                           target_modules=list(cfg.lora_targets))
+            )
+        except ValueError as exc:  # peft: a target that matches no module
+            raise ValueError(f"model.lora_targets={list(cfg.lora_targets)}: {exc}") from exc
         # trainable weights in fp32 whatever the base dtype: optimizer states stay exact
         for p in transformer.parameters():
             if p.requires_grad:

@@ -187,6 +187,40 @@ def test_load_pipeline_names_the_bad_path(tmp_path):
         load_pipeline(broken)
 
 
+def test_load_pipeline_names_the_component_that_is_missing_or_damaged(tmp_path):
+    import shutil
+
+    good = tiny_pipeline_dir(tmp_path / "good")
+    no_encoder = shutil.copytree(good, tmp_path / "no_encoder")
+    shutil.rmtree(no_encoder / "text_encoder_2")  # not one of the five that were checked before
+    with pytest.raises(ValueError, match=r"model_index.json lists \['text_encoder_2'\] but those subfolders"):
+        load_pipeline(no_encoder)
+    empty = shutil.copytree(good, tmp_path / "empty_transformer")
+    for file in (empty / "transformer").iterdir():
+        file.unlink()
+    with pytest.raises(ValueError, match=f"cannot load the pipeline in {empty}: .*config.json.*transformer"):
+        load_pipeline(empty)
+
+
+def test_a_lora_of_another_model_is_named_with_one_mismatch(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from stepfast.models import load_lora
+
+    other = load_pipeline(tiny_pipeline_dir(tmp_path / "other", num_heads=3))
+    other.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q"]))
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora",
+                                               transformer_lora_layers=get_peft_model_state_dict(other.transformer))
+    layers = len(other.transformer.transformer_blocks)
+    with pytest.raises(ValueError) as info:
+        load_lora(load_pipeline(tiny_pipeline_dir(tmp_path / "this")), tmp_path / "lora")
+    message = str(info.value)
+    assert f"{2 * layers} of their tensors have other shapes than the model's" in message  # lora_A and _B
+    assert message.count("size mismatch") == 1 and message.endswith("Were they trained on another model?")
+
+
 def test_text_length_defaults_to_diffusers_for_long_tokenizers():
     class Tok:
         model_max_length = 512

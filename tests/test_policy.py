@@ -96,3 +96,12 @@ def test_the_adapter_has_the_configured_rank_scale_and_targets(tmp_path):
         assert module.r["default"] == 4 and module.scaling["default"] == pytest.approx(12 / 4)
     trainable = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable)
+
+
+def test_lora_targets_that_match_no_module_are_named(tmp_path):
+    from stepfast.config import load_config
+    from stepfast.policy import load_policy_pipeline
+
+    cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", "model.lora_targets=[attn.to_qq]"])
+    with pytest.raises(ValueError, match=r"model.lora_targets=\['attn.to_qq'\]: .*not found"):
+        load_policy_pipeline(cfg.model, torch.device("cpu"))

@@ -49,9 +49,10 @@ def check_pipeline_dir(path: str | Path) -> Path:
         raise ValueError(f"{index}: _class_name is {cls!r}, expected one of {list(_SD3_CLASSES)}")
     missing = [
         name
-        for name in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
-        if isinstance(spec.get(name), list) and spec[name][0] is not None and not (path / name).is_dir()
-    ]
+        for name, entry in spec.items()
+        if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None
+        and not (path / name).is_dir()
+    ]  # fmt: skip
     if missing:
         raise ValueError(f"{path}: model_index.json lists {missing} but those subfolders are missing")
     return path
@@ -63,7 +64,10 @@ def load_pipeline(path: str | Path = EMBEDDED_MODEL, dtype: torch.dtype = torch.
     from diffusers import StableDiffusion3Pipeline
 
     path = check_pipeline_dir(path)
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, **_dtype_kwarg(dtype))
+    try:
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, **_dtype_kwarg(dtype))
+    except OSError as exc:  # a component folder without its config or weights, or a damaged file
+        raise ValueError(f"cannot load the pipeline in {path}: {exc}") from exc
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         module = getattr(pipe, name, None)
         if module is not None:
@@ -159,6 +163,13 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     try:
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        mismatched = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("size mismatch")]
+        if mismatched:  # torch lists every tensor; one says what is wrong
+            raise ValueError(
+                f"cannot load LoRA weights {file} onto this {type(pipe).__name__}: {len(mismatched)} of their "
+                f"tensors have other shapes than the model's, the first: {mismatched[0]} Were they trained "
+                "on another model?"
+            ) from exc
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     return pipe
 
