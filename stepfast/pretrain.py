@@ -334,7 +334,7 @@ def write_pipeline(pipe, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     defaults = PretrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stepfast.pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=EMBEDDED_MODEL,
                         help="output pipeline directory (default: the embedded model)")
     parser.add_argument("--steps", type=int, default=defaults.steps,
@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.snapshot_every < 0:
         parser.error(f"--snapshot-every must be >= 0 (0 = no snapshots), got {args.snapshot_every}")
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be >= 0 and below 2**63 (a 64-bit generator seed), got {args.seed}")
     try:
         device = check_device(args.device)
     except ValueError as exc:

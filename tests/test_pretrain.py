@@ -74,7 +74,8 @@ def run_pretrain(*args):
 @pytest.mark.parametrize("args, message", [
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--device", "bogus"], "--device: 'bogus' is not a torch device"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be >= 0 and below 2**63 (a 64-bit generator seed), got -1"),
+    (["--seed", str(2**63)], f"--seed must be >= 0 and below 2**63 (a 64-bit generator seed), got {2**63}"),
     (["--snapshot-every", "-2"], "--snapshot-every must be >= 0"),
     pytest.param(["--device", "cuda"], "--device: 'cuda': cuda is not available on this machine",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
