@@ -12,13 +12,18 @@ network you trust).
                      "metadata": [dict | null, ...] (optional)}
                  -> {"scores": {"shapes": {"score": [...], "strict": [...], ...}}}
 
-Errors: 400 for a malformed request (the body says what is wrong), 404 for another path, 411
-without Content-Length, 413 for a body over --max-request-mb, 500 when a reward raises (its error
-in the body; clients retry 500s).
+Errors: 400 for a malformed request (the body says what is wrong: JSON it cannot read, an image
+that is no PNG or has over PIL's Image.MAX_IMAGE_PIXELS pixels, prompts or metadata that a served
+reward's check() rejects), 404 for another path, 411 without Content-Length, 413 for a body over
+--max-request-mb, 500 when a reward raises while scoring (its error in the body; clients retry
+500s, not 4xx).
 
 Batching: a single worker thread owns the reward models. It takes the first waiting request, then
 keeps collecting requests for up to --batch-window-ms or until --batch-size images, and scores them
 in one call per reward (requests with images of one size together), in chunks of --batch-size.
+A reward with a check(prompts, metadata) hook (the one train.py calls before drawing any image)
+checks each request first: a request it rejects gets a 400 and is left out of the batch, so the
+requests batched with it are scored all the same.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import os
 import queue
 import socket
+import struct
 import sys
 import threading
 import time
@@ -47,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
 _DRAIN_LIMIT = 1 << 30  # a body this much over the limit is not read at all (connection dropped)
+_PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 
 
 class BadRequest(ValueError):
@@ -69,10 +76,32 @@ def decode_png(text, index: int) -> np.ndarray:
         raise BadRequest(f"images[{index}] must be a base64 PNG string, got {type(text).__name__}")
     try:
         raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"images[{index}] is not a base64-encoded PNG: {exc}") from exc
+    check_png_size(raw, index)
+    try:
         with Image.open(io.BytesIO(raw), formats=["PNG"]) as image:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (binascii.Error, ValueError, OSError) as exc:
+    except Image.DecompressionBombError as exc:  # check_png_size has let no such image through
+        raise BadRequest(f"images[{index}] is too large: {exc}") from exc
+    except (ValueError, OSError) as exc:
         raise BadRequest(f"images[{index}] is not a base64-encoded PNG: {exc}") from exc
+
+
+def check_png_size(raw: bytes, index: int) -> None:
+    """BadRequest naming the image and its size when the PNG header of `raw` declares more pixels
+    than PIL's Image.MAX_IMAGE_PIXELS (no limit when that is None). Read before PIL decodes anything:
+    a few KB of PNG can declare a 20000x20000 image, gigabytes once decoded. PIL itself only warns
+    up to twice its limit; here its limit is the limit."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is None or len(raw) < 24 or not raw.startswith(_PNG_HEADER) or raw[12:16] != b"IHDR":
+        return  # no limit, or no PNG header to read: PIL says what is wrong with it
+    width, height = struct.unpack(">II", raw[16:24])
+    if width * height > limit:
+        raise BadRequest(f"images[{index}] is {width}x{height} = {width * height} pixels, over this server's "
+                         f"limit of {limit} pixels per image (PIL's Image.MAX_IMAGE_PIXELS); send smaller images")
 
 
 def parse_request(body: bytes, served) -> tuple[list[str], np.ndarray, list[str], list | None]:
@@ -81,6 +110,9 @@ def parse_request(body: bytes, served) -> tuple[list[str], np.ndarray, list[str]
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. [[[[...]]]], nested deeper than the parser's recursion allows
+        raise BadRequest("body is not JSON this server can read: its arrays or objects are nested too "
+                         "deeply") from exc
     if not isinstance(request, dict):
         raise BadRequest("body must be a JSON object with rewards, images, prompts[, metadata]")
     unknown = sorted(set(request) - {"rewards", "images", "prompts", "metadata"})
@@ -171,7 +203,28 @@ class Batcher:
             results[id(job)][name] = {k: v[start : start + n].tolist() for k, v in scores.items()}
             start += n
 
+    def _check(self, job: ScoreJob) -> bool:
+        """Whether every reward of `job` that has a check(prompts, metadata) hook accepts its prompts
+        and metadata. When one rejects them (a ValueError, the hook's contract for input it cannot
+        score), the job's future gets a BadRequest (400) naming the reward, with its message, and
+        the job is not scored: the requests batched with it are. Anything else the check raises
+        fails this job alone, with a 500."""
+        for name in job.rewards:
+            check = getattr(self.rewards[name], "check", None)
+            if check is None:
+                continue
+            try:
+                check(job.prompts, job.metadata)
+            except ValueError as exc:
+                job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: {exc}"))
+                return False
+            except Exception as exc:
+                job.future.set_exception(exc)
+                return False
+        return True
+
     def _score(self, jobs: list[ScoreJob]) -> None:
+        jobs = [job for job in jobs if self._check(job)]
         results: dict[int, dict] = {id(job): {} for job in jobs}
         for shape in {job.images.shape[1:] for job in jobs}:
             same_size = [job for job in jobs if job.images.shape[1:] == shape]
@@ -264,6 +317,8 @@ class ScoreHandler(BaseHTTPRequestHandler):
         future = self.server.batcher.submit(rewards, images, prompts, metadata)
         try:
             scores = future.result()
+        except BadRequest as exc:  # a reward's check() rejects the prompts or metadata
+            return self._send(400, {"error": str(exc)})
         except Exception as exc:
             return self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
         self._send(200, {"scores": scores})

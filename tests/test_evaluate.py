@@ -172,6 +172,27 @@ def test_prompt_text_file_is_parsed_and_bad_lines_are_named(tmp_path):
         ev.read_prompts(str(bad))
 
 
+def test_prompt_files_are_read_as_the_trainer_reads_them(tmp_path):
+    """Through stepfast.data.prompts: a byte that is not UTF-8 is named by file and line (not a bare
+    'utf-8' codec error), the shipped sets answer to the trainer's names too, and a valid .txt
+    (blank lines, CRLF) reads as before."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("a photo of a circle\na photo of two caf\u00e9s\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"{latin}:2: not UTF-8 text"):
+        ev.read_prompts(str(latin))
+    assert_refused_before_the_model_loads("--prompts", latin, f"--prompts: {latin}:2: not UTF-8 text", tmp_path)
+    good = tmp_path / "p.txt"
+    good.write_bytes(b"a photo of two circles\r\n\n  \na photo of a red square")
+    assert [m["tag"] for m in ev.read_prompts(str(good))] == ["counting", "colors"]
+    assert ev.read_prompts("shapeeval:test") == ev.read_prompts("test") == load_metadata("test")
+    assert ev.read_prompts("shapeeval:train") == ev.read_prompts("train") == load_metadata("train")
+    (tmp_path / "folder.txt").mkdir()
+    with pytest.raises(ValueError, match="folder.txt is a directory"):
+        ev.read_prompts(str(tmp_path / "folder.txt"))
+    with pytest.raises(ValueError, match="'tset' is not train, test, shapeeval:train"):
+        ev.read_prompts("tset")
+
+
 def test_seeds_fix_the_images_whatever_the_batch_size(tiny):
     _, pipe = tiny
     metadata = load_metadata("test")[:3]
@@ -305,7 +326,7 @@ def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_mod
                        '"prompt": "a photo of a circle"}\n'
                        '{"tag": "single_object", "include": [{"class": "dog", "count": 1}], '
                        '"prompt": "a photo of a dog"}\n')  # fmt: skip
-    message = f"--prompts {prompts}: prompt 2: the record of prompt 'a photo of a dog' asks for class 'dog'"
+    message = f"--prompts {prompts}: prompt 2: the record of prompt 'a photo of a dog': include[0] asks for class 'dog'"
     assert_refused_before_the_model_loads("--prompts", prompts, message, tmp_path)
 
 
@@ -418,6 +439,24 @@ def test_evaluation_command_names_a_bad_option_without_a_traceback(tmp_path, arg
                         "--steps", "1")  # fmt: skip
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cfg", "-3"], "--cfg must be >= 0, got -3.0"),  # as the trainer's eval.cfg
+    (["--steps", "0"], "--steps must be positive, got 0"),
+    (["--seeds", "0"], "--seeds must be positive, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be positive, got -1"),
+    (["--limit", "0"], "--limit must be positive, got 0"),
+    (["--min-images", "-1"], "--min-images must be >= 0, got -1"),
+])  # fmt: skip
+def test_evaluation_command_names_a_bad_number_before_sampling(tmp_path, capsys, args, message):
+    """Each numeric option out of range is refused by name, with its value, before the model loads."""
+    with pytest.raises(SystemExit) as exit_:
+        ev.main(["--out", str(tmp_path / "out"), "--limit", "1", "--seeds", "1", "--min-images", "0", "--steps", "1",
+                 "--device", "cpu", *args])  # fmt: skip
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

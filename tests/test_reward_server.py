@@ -3,13 +3,16 @@ client that survives 500s, malformed answers, slow answers, dropped connections 
 fails with RewardServerError naming the server. Every server here is started by the test on
 127.0.0.1 and every loop is bounded."""
 
+import base64
 import http.client
 import json
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ import torch
 
 from stepfast import rewards
 from stepfast.data.shapeeval import load_metadata, render_batch
-from stepfast.reward_server import Batcher, RewardServer
+from stepfast.reward_server import Batcher, BadRequest, RewardServer
 from stepfast.rewards.remote import RewardServerError, encode_png
 
 from loopback import LoopbackServer
@@ -189,6 +192,113 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
 
 def explodes(images, prompts, metadata):
     raise RuntimeError("reward model exploded")
+
+
+def blank_png(width: int, height: int) -> str:
+    """A base64 1-bit black PNG of width x height, built row by row: a 20000x20000 one is ~50 KB of
+    base64 that PIL would decode into gigabytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    packer, row = zlib.compressobj(9), b"\0" * (1 + (width + 7) // 8)  # filter byte, then the bits
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1 bit, greyscale
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    return base64.b64encode(raw).decode("ascii")
+
+
+def test_an_image_too_large_to_decode_is_a_bad_request(server, scenes, monkeypatch):
+    """A small PNG declaring a huge image (a decompression bomb) is a 400 naming the image, its size
+    and the limit, found from its header before PIL decodes it; PIL's limit is the limit, also in
+    the band up to twice it, where PIL itself only warns and would decode the image."""
+    from PIL import Image
+
+    images, _, _ = scenes
+    limit = Image.MAX_IMAGE_PIXELS
+    body = {"rewards": ["shapes"], "images": [encode_png(images[0]), blank_png(20000, 20000)], "prompts": ["a", "b"]}
+    status, answer = post_raw(server, json.dumps(body).encode())
+    assert status == 400, (status, answer)
+    for fragment in ("images[1]", "20000x20000", f"limit of {limit} pixels"):
+        assert fragment in answer["error"], (fragment, answer)
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 64 - 1)  # 64x64 is over it, but not twice over
+    body = {"rewards": ["shapes"], "images": [blank_png(64, 64)], "prompts": ["a"]}
+    status, answer = post_raw(server, json.dumps(body).encode())
+    assert status == 400 and "images[0] is 64x64" in answer["error"] and "limit of 4095 pixels" in answer["error"], (
+        status, answer)
+
+
+def test_json_nested_too_deeply_is_a_bad_request(server):
+    status, answer = post_raw(server, b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "not JSON" in answer["error"] and "nested too deeply" in answer["error"], (status, answer)
+    status, answer = post_raw(server, b'{"rewards": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and "nested too deeply" in answer["error"], (status, answer)
+
+
+def test_prompts_or_metadata_a_reward_rejects_are_bad_requests(server, scenes):
+    """Input a reward's check() rejects is a 400 with the reward's message, which the client does not
+    retry; a reward that passes the check and then fails while scoring is still a 500."""
+    images, prompts, _ = scenes
+    png = encode_png(images[0])
+    cases = [
+        ({"prompts": ["a photo of a dog"]}, ["reward 'shapes' cannot score this request", "is not a ShapeEval prompt"]),
+        ({"prompts": [prompts[0]], "metadata": [{"include": [{"class": "dog", "count": 1}]}]},
+         ["reward 'shapes'", "asks for class 'dog'"]),
+        ({"prompts": [prompts[0]], "metadata": [{"include": "oops", "prompt": prompts[0]}]},
+         ["reward 'shapes'", "prompt 1:", "'include' must be a list of clauses", "got 'oops'"]),
+        ({"prompts": [prompts[0]], "metadata": [{"include": [{"class": "circle"}], "prompt": prompts[0]}]},
+         ["reward 'shapes'", "include[0] needs a count"]),
+    ]
+    for fields, fragments in cases:
+        status, answer = post_raw(server, json.dumps({"rewards": ["shapes"], "images": [png], **fields}).encode())
+        assert status == 400, (fields, status, answer)
+        for fragment in fragments:
+            assert fragment in answer["error"], (fragment, answer)
+
+    remote = rewards.load("remote", url=server.url, rewards=["shapes"], **FAST)
+    with pytest.raises(RewardServerError, match="after 1 attempt.*HTTP 400.*not a ShapeEval prompt"):
+        remote.score(images[:1], ["a photo of a dog"])
+    assert_same(remote.score(images, prompts), rewards.load("shapes").score(images, prompts))
+
+    class ChecksThenExplodes:
+        def check(self, prompts, metadata=None):
+            pass
+
+        def score(self, images, prompts, metadata=None):
+            raise RuntimeError("reward model exploded")
+
+    failing = start({"shapes": ChecksThenExplodes()})
+    try:
+        body = json.dumps({"rewards": ["shapes"], "images": [png], "prompts": ["a"]}).encode()
+        status, answer = post_raw(failing, body)
+        assert status == 500 and "reward model exploded" in answer["error"], (status, answer)
+    finally:
+        stop(failing)
+
+
+class Checking(Recording):
+    """`reward`, recording the number of images of each call, with the reward's check()."""
+
+    def check(self, prompts, metadata=None):
+        self.reward.check(prompts, metadata)
+
+
+def test_a_request_a_reward_rejects_leaves_its_batch(local, scenes):
+    """Requests gathered into one batch: the one whose prompts the reward's check() rejects gets a
+    BadRequest (a 400) and is never scored; the others share one reward call and get their scores."""
+    images, prompts, _ = scenes
+    reward = Checking(local["shapes"])
+    batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
+    asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
+    futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
+    with pytest.raises(BadRequest, match="reward 'shapes'.*a photo of a dog"):
+        futures[1].result(10)
+    for i in (0, 2):
+        expected = local["shapes"].score(images[2 * i : 2 * i + 2], asked[i])
+        assert futures[i].result(10)["shapes"] == {k: v.tolist() for k, v in expected.items()}
+    batcher.close()
+    assert reward.batches == [4]  # one call for the two good requests, none for the bad one
 
 
 class FaultProxy(LoopbackServer):

@@ -120,13 +120,41 @@ def test_records_shapeeval_cannot_draw_are_named_before_and_when_scoring(reward)
     plum = {**parse_prompt("a photo of a red circle"), "prompt": "a photo of a plum circle"}
     plum["include"] = [{**plum["include"][0], "color": "plum"}]
     image = render(circle, rng=0)[None]
-    with pytest.raises(ValueError, match="'a photo of a dog' asks for class 'dog', which ShapeEval does not draw"):
+    with pytest.raises(ValueError, match="'a photo of a dog': include.0. asks for class 'dog', which ShapeEval does not"):
         reward.score(image, [dog["prompt"]], [dog])
     with pytest.raises(ValueError, match="prompt 2: .* asks for colour 'plum'"):
         reward.check([circle["prompt"], plum["prompt"]], [circle, plum])
     with pytest.raises(ValueError, match="prompt 3: .*a photo of a dog"):
         reward.check(["a photo of a circle", "a photo of two squares", "a photo of a dog"])
     reward.check([circle["prompt"], "a photo of two squares"], [{"prompt": circle["prompt"]}, None])
+
+
+@pytest.mark.parametrize("record, message", [
+    ("a circle", "must be a JSON object, got 'a circle'"),
+    ({"include": "circle"}, "'include' must be a list of clauses (at least one), got 'circle'"),
+    ({"include": []}, "'include' must be a list of clauses (at least one), got []"),
+    ({"include": [{"class": "circle", "count": 1}], "exclude": {"class": "circle"}}, "'exclude' must be a list"),
+    ({"include": ["circle"]}, "include[0] must be an object with a class and a count, got 'circle'"),
+    ({"include": [{"class": "circle"}]}, "include[0] needs a count, a whole number >= 1, got None"),
+    ({"include": [{"class": "circle", "count": 0}]}, "include[0] needs a count, a whole number >= 1, got 0"),
+    ({"include": [{"class": "circle", "count": "2"}]}, "include[0] needs a count, a whole number >= 1, got '2'"),
+    ({"include": [{"class": "circle", "count": 1}], "exclude": [{"class": "circle", "count": True}]},
+     "exclude[0] needs a count, a whole number >= 1, got True"),
+    ({"include": [{"class": "circle", "count": 1, "position": ["left of", 0]}]},
+     "include[0] position must be [relation, index of an earlier include clause]"),
+    ({"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["beside", 0]}]},
+     "include[1] position must be [relation, index of an earlier include clause] with relation one of left of"),
+    ({"include": [{"class": "circle", "count": 1}], "exclude": [{"class": "square", "count": 1,
+                                                                  "position": ["left of", 0]}]},
+     "exclude[0] is an exclude clause: it cannot ask for a position"),
+])  # fmt: skip
+def test_malformed_records_are_named_before_any_image_is_drawn(reward, record, message):
+    """A record scoring would trip over (a KeyError, a division by a zero count, a position naming a
+    later clause) is a ValueError from `check`, naming the prompt, the clause and what is wrong."""
+    with pytest.raises(ValueError) as err:
+        reward.check(["a photo of a circle", "a photo of a circle"], [None, record])
+    assert str(err.value).startswith("prompt 2: the record of prompt 'a photo of a circle'")
+    assert message in str(err.value)
 
 
 def test_bad_prompts_and_lengths_are_named(reward):

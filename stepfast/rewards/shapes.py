@@ -54,7 +54,9 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from stepfast.data.shapeeval import CATEGORIES, COLORS, POSITION_THRESHOLD, SHAPES, parse_prompt, relative_position
+from stepfast.data.shapeeval import (
+    CATEGORIES, COLORS, POSITION_THRESHOLD, RELATIONS, SHAPES, parse_prompt, relative_position,
+)
 from stepfast.rewards.images import to_uint8
 
 UNKNOWN = "unknown"
@@ -210,16 +212,20 @@ class ShapesReward:
         ("include"), else the prompt parsed (a ShapeEval prompt: records from a file of plain prompts
         hold only {"prompt": ...}). ValueError naming the prompt when the record asks for a class or
         colour that ShapeEval does not draw (GenEval's "dog") or the prompt is not ShapeEval's."""
-        if record is None or "include" not in record:
+        if record is None:
             return self._metadata(prompt)
-        for clause in list(record["include"]) + list(record.get("exclude", [])):
-            cls, color = clause.get("class"), clause.get("color")
-            if cls not in SHAPES or (color is not None and color not in COLORS):
-                bad = f"class {cls!r}" if cls not in SHAPES else f"colour {color!r}"
-                raise ValueError(
-                    f"the record of prompt {prompt!r} asks for {bad}, which ShapeEval does not draw "
-                    f"(shapes: {', '.join(SHAPES)}; colours: {', '.join(COLORS)})"
-                )
+        if not isinstance(record, dict):
+            raise ValueError(f"the record of prompt {prompt!r} must be a JSON object, got {record!r}")
+        if "include" not in record:
+            return self._metadata(prompt)
+        for where, clauses in (("include", record["include"]), ("exclude", record.get("exclude", []))):
+            if not isinstance(clauses, list) or (where == "include" and not clauses):
+                raise ValueError(f"the record of prompt {prompt!r}: {where!r} must be a list of clauses"
+                                 f"{' (at least one)' if where == 'include' else ''}, got {clauses!r}")  # fmt: skip
+            for i, clause in enumerate(clauses):
+                problem = _clause_problem(clause, i if where == "include" else None)
+                if problem:
+                    raise ValueError(f"the record of prompt {prompt!r}: {where}[{i}] {problem}")
         return record
 
     def check(self, prompts, metadata=None) -> None:
@@ -285,6 +291,30 @@ def shape_moments(level: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.nda
     m3 = np.hypot(mean(dx * (dx2 - 3 * dy2)), mean(dy * (3 * dx2 - dy2))) / spread**1.5
     m4 = np.hypot(mean(dx2 * dx2 - 6 * dx2 * dy2 + dy2 * dy2), mean(4 * dxy * (dx2 - dy2))) / spread**2
     return m2, m3, m4
+
+
+def _clause_problem(clause, index: int | None) -> str | None:
+    """What is wrong with a GenEval clause ({"class", "count"[, "color"][, "position"]}), or None.
+    `index`: the clause's place among the include clauses (a position refers to an earlier one);
+    None for an exclude clause."""
+    if not isinstance(clause, dict):
+        return f"must be an object with a class and a count, got {clause!r}"
+    cls, count, color = clause.get("class"), clause.get("count"), clause.get("color")
+    if cls not in SHAPES or (color is not None and color not in COLORS):
+        bad = f"class {cls!r}" if cls not in SHAPES else f"colour {color!r}"
+        return (f"asks for {bad}, which ShapeEval does not draw (shapes: {', '.join(SHAPES)}; "
+                f"colours: {', '.join(COLORS)})")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        return f"needs a count, a whole number >= 1, got {count!r}"
+    if "position" in clause:
+        position = clause["position"]
+        if index is None:
+            return "is an exclude clause: it cannot ask for a position"
+        if (not isinstance(position, (list, tuple)) or len(position) != 2 or position[0] not in RELATIONS
+                or isinstance(position[1], bool) or not isinstance(position[1], int) or not 0 <= position[1] < index):
+            return (f"position must be [relation, index of an earlier include clause] with relation one of "
+                    f"{', '.join(RELATIONS)}, got {position!r}")  # fmt: skip
+    return None
 
 
 def evaluate(
