@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from stepfast.data.prompts import numbered_lines, load_prompts, resolve_prompt_file
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.models import (
@@ -47,21 +48,27 @@ from stepfast.models import (
 
 
 def read_prompts(source: str) -> list[dict]:
-    """Metadata records for "train", "test", a GenEval `*.jsonl` metadata file, or a `.txt` file
-    of ShapeEval prompts (one per line, parsed into metadata)."""
-    if source.endswith(".txt"):
-        path = Path(source)
-        lines = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-        if not lines:
-            raise ValueError(f"{path}: no prompts")
-        records = []
-        for n, prompt in lines:
-            try:
-                records.append(parse_prompt(prompt))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{n}: {exc}") from None
-        return records
-    return load_metadata(source)
+    """Metadata records for "train", "test" (or "shapeeval:train", "shapeeval:test"), a GenEval
+    `*.jsonl` metadata file, or a `.txt` file of ShapeEval prompts (one per line, blank lines
+    skipped, parsed into metadata). Files are read by `stepfast.data.prompts`, as the trainer reads
+    them: a missing file, a directory, a line that is not UTF-8 or not JSON raises an error naming
+    the file (and the line, `path:line`), as does a `.txt` prompt ShapeEval cannot parse."""
+    path = resolve_prompt_file(f"shapeeval:{source}" if source in ("train", "test") else source)
+    if path.suffix == ".jsonl":
+        return load_metadata(path)
+    if path.suffix != ".txt":
+        raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "
+                         "*_metadata.jsonl file or a .txt file of prompts (one per line)")  # fmt: skip
+    load_prompts(path)  # names a missing file, a directory, a line not UTF-8 (path:line), an empty file
+    records = []
+    for n, text in numbered_lines(path):
+        if not text.strip():
+            continue
+        try:
+            records.append(parse_prompt(text.strip()))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{n}: {exc}") from None
+    return records
 
 
 def spread_over_categories(metadata: list[dict], limit: int | None) -> list[dict]:
@@ -407,7 +414,7 @@ def write_report(result: dict, out: Path, columns: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stepfast.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_MODEL,
                         help="diffusers SD3 pipeline directory (default: the embedded model)")
     weights = parser.add_mutually_exclusive_group()
@@ -415,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict:
     weights.add_argument("--transformer", default=None,
                          help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
     parser.add_argument("--prompts", default="test",
-                        help="train | test | *_metadata.jsonl | prompts .txt (default: %(default)s)")
+                        help="train | test | shapeeval:train | shapeeval:test | *_metadata.jsonl | prompts .txt "
+                             "(default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt, seeds 0..N-1 (default: %(default)s)")
     parser.add_argument("--min-images", type=int, default=32,
                         help="more seeds for the prompts of a category with fewer images than this "
@@ -433,14 +441,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to sample (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.steps < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        parser.error("--seeds, --steps, --batch-size and --limit must be positive")
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--limit", args.limit), ("--size", args.size)):  # fmt: skip
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be positive, got {value}")
     if args.min_images < 0:
-        parser.error("--min-images must be >= 0")
-    if args.size is not None and args.size < 1:
-        parser.error(f"--size must be positive, got {args.size}")
+        parser.error(f"--min-images must be >= 0, got {args.min_images}")
     if not math.isfinite(args.cfg):
         parser.error(f"--cfg must be a finite number, got {args.cfg}")
+    if args.cfg < 0:  # as the trainer's eval.cfg
+        parser.error(f"--cfg must be >= 0, got {args.cfg}")
     # Checked before the model is loaded and the images drawn, which can take minutes.
     try:
         device = check_device(args.device)
@@ -452,7 +462,10 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(f"--out: {exc}")
 
-    metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
+    try:  # a missing or unreadable prompt file, named with its bad line
+        metadata = spread_over_categories(read_prompts(args.prompts), args.limit)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(f"--prompts: {exc}")
     from stepfast.rewards import load
 
     reward = load("shapes")

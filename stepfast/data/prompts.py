@@ -38,7 +38,7 @@ def resolve_prompt_file(path_or_name: str | Path) -> Path:
     return Path(path_or_name)
 
 
-def _lines(path: Path):
+def numbered_lines(path: Path):
     """(line number, text) of each line, decoding line by line so a bad byte names its line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -49,12 +49,12 @@ def _lines(path: Path):
 
 
 def _read_txt(path: Path) -> list[PromptRecord]:
-    return [PromptRecord(text.strip()) for _, text in _lines(path) if text.strip()]
+    return [PromptRecord(text.strip()) for _, text in numbered_lines(path) if text.strip()]
 
 
 def _read_jsonl(path: Path) -> list[PromptRecord]:
     records = []
-    for number, text in _lines(path):
+    for number, text in numbered_lines(path):
         if not text.strip():
             continue
         try:
