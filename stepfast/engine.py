@@ -43,16 +43,17 @@ def stale_build_locks(root: str | os.PathLike | None = None, now: float | None =
     """(lock file, its time) of each build of DeepSpeed's shared-memory op locked for over STALE_LOCK_SECONDS.
 
     DeepSpeed builds (or, once built, checks) its CPU shared-memory communication op whenever the
-    process group starts, with torch's cpp_extension under a lock file in $TORCH_EXTENSIONS_DIR. A start
-    killed while it holds the lock leaves the file, and every later start waits for it forever without
-    a word.
+    process group starts, with torch's cpp_extension under a lock file: $TORCH_EXTENSIONS_DIR/<op>/lock
+    when that is set, else <default root>/py311_cpu/<op>/lock (one folder per Python and accelerator).
+    A start killed while it holds the lock leaves the file, and every later start waits for it forever
+    without a word.
     """
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     now = time.time() if now is None else now
     try:
-        locks = sorted(root.glob(f"*/{SHM_OP}/lock"))
+        locks = sorted([*root.glob(f"{SHM_OP}/lock"), *root.glob(f"*/{SHM_OP}/lock")])
     except OSError:
         return []
     stale = []

@@ -17,8 +17,10 @@ from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, stale_build_locks
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def lock(root: Path, name: str, age: float) -> Path:
-    path = root / "py311_cpu" / name / "lock"
+def lock(root: Path, name: str, age: float, folder: str = "py311_cpu") -> Path:
+    """A lock `age` seconds old where torch puts it: under a folder per Python and accelerator in its
+    default root, straight under $TORCH_EXTENSIONS_DIR when that is set (folder="")."""
+    path = root / folder / name / "lock"
     path.parent.mkdir(parents=True)
     path.touch()
     then = time.time() - age
@@ -34,11 +36,13 @@ def test_only_an_old_lock_of_the_shm_op_is_stale(tmp_path):
     lock(tmp_path / "b", "fused_adam", age=10 * STALE_LOCK_SECONDS)  # another op: not loaded at start
     assert stale_build_locks(tmp_path / "b") == []
     assert stale_build_locks(tmp_path / "missing") == []
+    direct = lock(tmp_path / "c", SHM_OP, age=2 * STALE_LOCK_SECONDS, folder="")  # $TORCH_EXTENSIONS_DIR's
+    assert stale_build_locks(tmp_path / "c") == [(direct, direct.stat().st_mtime)]
 
 
 def test_the_trainer_names_a_stale_lock_before_deepspeed_waits_on_it(tmp_path):
     """DeepSpeed waits on the lock without end: the warning is the only line the user gets."""
-    path = lock(tmp_path / "ext", SHM_OP, age=2 * STALE_LOCK_SECONDS)
+    path = lock(tmp_path / "ext", SHM_OP, age=2 * STALE_LOCK_SECONDS, folder="")  # where torch looks
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), f"output_dir={tmp_path / 'run'}", "iterations=1"]
