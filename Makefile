@@ -8,8 +8,8 @@ TORCH_INDEX ?=
 ARGS ?=
 # `make train` ranks: one per GPU; without CUDA, two CPU ranks. On the 2-core machine the default run
 # is sized for, an iteration of 32 samples took 9.3 s as two ranks and 16.7 s as one rank on both
-# cores: the tiny model's operations are too small to spread over threads. Threads per rank: the
-# cores shared out, at least one. Override with `make train RANKS=1 THREADS=2`.
+# cores, on one (slower) host: the tiny model's operations are too small to spread over threads.
+# Threads per rank: the cores shared out, at least one. Override with `make train RANKS=1 THREADS=2`.
 # Both are shell expressions, evaluated once in the recipe (after .venv exists).
 RANKS ?= $$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
 THREADS ?= $$(( $$(nproc) / ranks > 0 ? $$(nproc) / ranks : 1 ))

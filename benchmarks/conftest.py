@@ -1,5 +1,6 @@
 """Shared by the benchmarks, which `make bench` runs in one process."""
 
+import machine  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp)
 import pytest
 import torch
 

@@ -1,6 +1,25 @@
-"""What the benchmarks print about the machine they ran on."""
+"""What the benchmarks print about the machine they ran on, and the one setting they give it.
 
+OpenMP workers that spin between parallel regions (libgomp's default) lose their share of a core
+that another process wants, and every parallel region then waits a scheduler slice (~8 ms on the
+2-core benchmark machine) for them: timings measure the neighbours, not the code. Sleeping workers
+(OMP_WAIT_POLICY=PASSIVE) wake within microseconds. libgomp reads the variable when torch loads it,
+so conftest.py imports this module before torch; a value set in the environment is kept.
+"""
+
+import os
 import platform
+import sys
+
+#: Whether OMP_WAIT_POLICY reached libgomp: set before torch was loaded, or by the caller's environment.
+OMP_POLICY_IN_EFFECT = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def omp_policy() -> str:
+    """OMP_WAIT_POLICY as the benchmark tables print it."""
+    late = "" if OMP_POLICY_IN_EFFECT else " requested too late: torch was loaded first"
+    return f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}{late}"
 
 
 def cpu_name() -> str:

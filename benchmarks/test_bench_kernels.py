@@ -23,24 +23,15 @@ over the eager loop on an SD3.5-Medium-shaped transformer (benchmarks/gpu_check.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
-import sys
 import time
 
-# OpenMP workers that spin between parallel regions (libgomp's default) lose their share of a core
-# that another process wants, and every parallel region then waits a scheduler slice (~8 ms on the
-# 2-core benchmark machine) for them: timings measure the neighbours, not the code. Sleeping workers
-# (PASSIVE) wake within microseconds. Applies to all three callables alike; libgomp reads it when
-# torch loads it, so it only takes effect if torch was not imported yet (the table says which).
-_OMP_POLICY_IN_EFFECT = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 from stepfast.kernels import sde_logprob, sde_step_with_logprob, select_backend
 from stepfast.kernels.reference import flow_grpo_logprob, flow_grpo_step_with_logprob
+from machine import cpu_name, omp_policy  # OMP_WAIT_POLICY=PASSIVE, set by conftest.py before torch loads
 
 SHAPES = [(24, 16, 64, 64), (24, 16, 128, 128)]
 OPS = ["step", "logprob_fwd", "logprob_fwd_bwd"]
@@ -147,14 +138,7 @@ def _pct(xs: list[float], q: float) -> float:
 def hardware(device: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    policy = os.environ["OMP_WAIT_POLICY"] + ("" if _OMP_POLICY_IN_EFFECT else " requested too late: torch was loaded first")
-    return f"{model}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={policy}, load average " + \
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, {omp_policy()}, load average " + \
         "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) + f" (torch {torch.__version__})"
 
 
