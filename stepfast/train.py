@@ -89,6 +89,7 @@ class Trainer:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
         check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
                       f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
+        check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()})
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
@@ -281,6 +282,7 @@ class Trainer:
         except TypeError as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
+        check_servers({f"eval.reward={cfg.eval.reward}": reward})
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
@@ -375,6 +377,18 @@ def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -
             reward.check([p for p, _ in prompts], [m for _, m in prompts])
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+
+
+def check_servers(rewards: dict[str, object]) -> None:
+    """A ConfigError naming the setting when a reward scored by a server (`remote`) cannot reach it,
+    or the server does not serve what it asks for: found at start, not after the first rollout.
+    `rewards`: each reward by the setting that names it."""
+    for key, reward in rewards.items():
+        if hasattr(reward, "check_server"):
+            try:
+                reward.check_server()
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
 
 
 def check_paths(cfg) -> None:

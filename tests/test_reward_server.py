@@ -421,6 +421,21 @@ def test_command_line_server(tmp_path, local, scenes):
         proc.wait(10)
 
 
+def test_the_client_checks_the_server_answers_and_serves_its_rewards(server):
+    """What the trainer checks at start: /health answers and lists every reward asked for; a dead
+    server is named after the client's retries, as a score request would be."""
+    rewards.load("remote", url=server.url, rewards=["shapes"], **FAST).check_server()
+    with pytest.raises(ValueError, match=rf"reward server {server.url} serves \['jpeg_compressibility', 'shapes'\], "
+                                         r"not \['pickscore'\]"):
+        rewards.load("remote", url=server.url, rewards=["shapes", "pickscore"], **FAST).check_server()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ValueError, match=rf"reward server {dead} did not answer GET /health in 4 attempt\(s\) "
+                                         r"\(last: ConnectionRefusedError"):
+        rewards.load("remote", url=dead, rewards=["shapes"], **FAST).check_server()
+
+
 # -- the command line: bad arguments are one-line errors with exit code 2 -------------------------
 
 PROG = "python -m stepfast.reward_server: error: "

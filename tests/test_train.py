@@ -595,6 +595,11 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
 @pytest.mark.parametrize("overrides, message", [
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
     (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 trains no step"),
+    (["reward.weights={remote: 1.0}", "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], "
+      "retries: 0}}"], "reward.options.remote: reward server http://127.0.0.1:9 did not answer GET /health"),
+    (["eval.before_after=true", "eval.reward=remote",
+      "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], retries: 0}}"],
+     "eval.reward=remote: reward server http://127.0.0.1:9 did not answer GET /health"),
     pytest.param(["optim.precision=fp16"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
                  "optim.precision=fp16, optim.deepspeed={}): Type fp16 is not supported on your device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs fp16")),

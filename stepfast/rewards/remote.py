@@ -17,15 +17,17 @@ last failure, so a trainer can stop cleanly and keep its last checkpoint.
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
+import time
 
 import numpy as np
 import torch
 
 from stepfast.rewards.combine import weighted_sum
 from stepfast.rewards.images import to_uint8
-from stepfast.rewards.transport import MalformedResponse, RewardServerError, get_json, post
+from stepfast.rewards.transport import MAX_BACKOFF_S, MalformedResponse, RewardServerError, get_json, post
 
 __all__ = ["RemoteReward", "RewardServerError"]
 
@@ -54,6 +56,31 @@ class RemoteReward:
     def health(self) -> dict:
         """The server's /health answer (one try, no retries): its rewards and limits."""
         return get_json(self.url + "/health", timeout=min(self.timeout, 10.0))
+
+    def check_server(self) -> None:
+        """A ValueError naming the server when it does not answer /health or does not serve every
+        reward asked for: what a trainer checks at start, rather than after its first rollout. Tried
+        as a score request is (`retries` more times, with the same backoff), so a server that is
+        still loading its models is waited for."""
+        last_failure = "no attempt made"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            try:
+                health = self.health()
+                break
+            except (RewardServerError, OSError, http.client.HTTPException, ValueError) as exc:
+                last_failure = f"{type(exc).__name__}: {exc}"
+        else:
+            raise ValueError(f"reward server {self.url} did not answer GET /health in {self.retries + 1} "
+                             f"attempt(s) (last: {last_failure}); start it with python -m "
+                             "stepfast.reward_server, or check its url")  # fmt: skip
+        served = health.get("rewards") if isinstance(health, dict) else None
+        if not isinstance(served, list):
+            raise ValueError(f"{self.url}/health answered {health!r}: not a stepfast reward server")
+        missing = [name for name in self.names if name not in served]
+        if missing:
+            raise ValueError(f"reward server {self.url} serves {served}, not {missing}")
 
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         pixels = to_uint8(images)
