@@ -316,7 +316,10 @@ def preset_path(name: str) -> Path:
         if path.is_file():
             return path
         if not (CONFIG_DIR / f"{name}.yaml").exists():
-            raise ConfigError(f"config file {name!r} " + ("is a directory" if path.is_dir() else "does not exist"))
+            what = "is a directory" if path.is_dir() else "does not exist"
+            if (CONFIG_DIR / path.name).is_file():
+                what += f"; the preset of that name is --config {path.stem}"
+            raise ConfigError(f"config file {name!r} {what}")
     candidate = CONFIG_DIR / f"{name}.yaml"
     if candidate.exists():
         return candidate

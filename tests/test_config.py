@@ -171,8 +171,11 @@ def test_bad_preset_and_yaml(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_config(str(tmp_path / "listed.yaml"))
         assert message in str(err.value)
-    with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist"):
+    with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist$"):
         load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="config file 'flow_grpo.yaml' does not exist; the preset of that name is "
+                                          "--config flow_grpo"):
+        load_config("flow_grpo.yaml")
     with pytest.raises(ConfigError, match="config file '.*' is a directory"):
         load_config(str(tmp_path))
     latin = tmp_path / "latin.yaml"
