@@ -379,11 +379,11 @@ def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -
             raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_servers(rewards: dict[str, object]) -> None:
+def check_servers(by_setting: dict[str, object]) -> None:
     """A ConfigError naming the setting when a reward scored by a server (`remote`) cannot reach it,
     or the server does not serve what it asks for: found at start, not after the first rollout.
-    `rewards`: each reward by the setting that names it."""
-    for key, reward in rewards.items():
+    `by_setting`: each reward by the setting that names it."""
+    for key, reward in by_setting.items():
         if hasattr(reward, "check_server"):
             try:
                 reward.check_server()

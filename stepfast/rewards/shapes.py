@@ -211,7 +211,8 @@ class ShapesReward:
         """The GenEval record an image of `prompt` is scored against: `record` when it has clauses
         ("include"), else the prompt parsed (a ShapeEval prompt: records from a file of plain prompts
         hold only {"prompt": ...}). ValueError naming the prompt when the record asks for a class or
-        colour that ShapeEval does not draw (GenEval's "dog") or the prompt is not ShapeEval's."""
+        colour that ShapeEval does not draw (GenEval's "dog"), when a clause is malformed (no count,
+        a position naming no earlier clause), or when the prompt is not ShapeEval's."""
         if record is None:
             return self._metadata(prompt)
         if not isinstance(record, dict):
