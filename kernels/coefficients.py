@@ -49,14 +49,57 @@ NUM_COEFS = 8
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def times(t, batch: int, device: torch.device) -> torch.Tensor:
+def times(t, batch: int, device: torch.device, name: str = "times") -> torch.Tensor:
     """A time (float, 0-dim or [B] tensor) as float32 [B], exactly as `stepfast.sde` rounds it."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    try:
+        t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
     if t.dim() == 0:
         t = t.expand(batch)
     if t.dim() != 1 or t.shape[0] != batch:
-        raise ValueError(f"times must be a float or a tensor of shape [batch] = [{batch}], got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must be a float or a tensor of shape [batch] = [{batch}], got shape {tuple(t.shape)}")
     return t
+
+
+def _host_times(t, name: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(t, dtype=torch.float64).cpu().reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
+
+
+def check_times(t, s) -> None:
+    """A ValueError naming the times unless every step goes down, 1 >= t > s >= 0, in finite numbers
+    (t = 1 is noise, 0 is data). Reads the values: on a GPU, one sync."""
+    t, s = (_host_times(u, name) for u, name in ((t, "t"), (s, "s")))
+
+    def first(bad: torch.Tensor, u: torch.Tensor) -> str:
+        i = int(bad.nonzero()[0])
+        return f"{float(u[i]):.6g}" + (f" (sample {i})" if u.numel() > 1 else "")
+
+    for name, u in (("t", t), ("s", s)):
+        if not bool(torch.isfinite(u).all()):
+            raise ValueError(f"{name} holds NaN or inf: {name} = {first(~torch.isfinite(u), u)}")
+        if bool(((u < 0) | (u > 1)).any()):
+            bad = first((u < 0) | (u > 1), u)
+            raise ValueError(f"{name} must lie in [0, 1] (1 is noise, 0 is data), got {name} = {bad}")
+    try:
+        t, s = torch.broadcast_tensors(t, s)
+    except RuntimeError:
+        return  # their shapes are named where the times are used
+    if bool((s >= t).any()):
+        i = int((s >= t).nonzero()[0])
+        where = f" (sample {i})" if t.numel() > 1 else ""
+        raise ValueError(f"a step goes from t down to s < t, got t = {float(t[i]):.6g} and s = "
+                         f"{float(s[i]):.6g}{where}")  # fmt: skip
+
+
+#: The fused ops' backward is not differentiable (backward with create_graph=True through them).
+SECOND_DERIVATIVE = (
+    "the fused sde_logprob has no second derivative (a backward with create_graph=True through it): use "
+    "the torch backend (backend='torch' or STEPFAST_KERNELS=torch) for higher-order gradients"
+)
 
 
 def step_coefficients(
@@ -70,19 +113,22 @@ def step_coefficients(
     reduce: str,
     device: torch.device,
     check_std: bool = True,
+    check: bool = True,
     **params,
 ) -> torch.Tensor:
     """The [batch, NUM_COEFS] float32 table of the step t -> s (see the module docstring).
 
     numel: elements per sample (N); reduced: elements per log-prob entry (N for mean/sum, C p^2 for
     tokens). With check_std, a `gaussian` log-prob of a step with std <= 0 is an error, as in
-    `stepfast.sde.log_prob`.
+    `stepfast.sde.log_prob`; with check, times that do not go down within [0, 1] (`check_times`).
     """
     if kind not in sde.SAMPLERS:
         raise ValueError(f"unknown sampler {kind!r}: expected one of {', '.join(sde.SAMPLERS)}")
     p = sde._params(kind, params)  # validates the parameter names exactly as sde.step does
-    t64 = times(t, batch, device).double()
-    s64 = times(s, batch, device).double()
+    t64 = times(t, batch, device, "t").double()
+    s64 = times(s, batch, device, "s").double()
+    if check:
+        check_times(t64, s64)
     std = sde.step_std(kind, t64, s64, **params).double().expand(batch)
     if kind == "ode":
         ca, cb = torch.ones_like(t64), s64 - t64

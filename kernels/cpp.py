@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .coefficients import SECOND_DERIVATIVE
+
 try:
     import stepfast._C  # noqa: F401  (loading the library registers torch.ops.stepfast.*)
 
@@ -77,6 +79,8 @@ if AVAILABLE:
         ctx.v_ref_dtype = v_ref.dtype if v_ref is not None else None
 
     def _backward(ctx, grad_log_prob, grad_kl, grad_residual, grad_dv):
+        if torch.is_grad_enabled():  # backward(create_graph=True): the kernels give no second derivative
+            raise RuntimeError(SECOND_DERIVATIVE)
         if not ctx.saved_residuals:
             raise RuntimeError(
                 "stepfast::sde_logprob was called with save_residuals=False but its gradient is needed: "

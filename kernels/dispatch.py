@@ -12,6 +12,7 @@ backend that was not built falls back to torch with a one-time warning.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import warnings
 from typing import NamedTuple
@@ -21,7 +22,7 @@ import torch
 from stepfast import sde
 
 from . import cpp, reference
-from .coefficients import step_coefficients
+from .coefficients import check_times, step_coefficients
 
 BACKENDS = ("torch", "cpp", "triton")
 ENV_VAR = "STEPFAST_KERNELS"
@@ -98,6 +99,8 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         raise ValueError(f"unknown reduction {reduce!r}: expected one of {sde.REDUCTIONS}")
     if x_t.dim() < 1:
         raise ValueError("x_t needs a batch dimension")
+    if x_t.shape[0] and not x_t[0].numel():
+        raise ValueError(f"x_t has no elements per sample: shape {tuple(x_t.shape)}")
     for name, tensor in others.items():
         if tensor is None:
             continue
@@ -106,12 +109,17 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         if tensor.device != x_t.device:
             raise ValueError(f"x_t and {name} must be on the same device, got {x_t.device} and {tensor.device}")
     if reduce == "tokens":
-        if patch_size is None or patch_size < 1:
-            raise ValueError("reduce='tokens' needs patch_size, the DiT's patch size (2 for SD3)")
+        if isinstance(patch_size, bool) or not isinstance(patch_size, numbers.Integral) or patch_size < 1:
+            raise ValueError(f"reduce='tokens' needs patch_size, the DiT's patch size (2 for SD3): a whole number "
+                             f">= 1, got {patch_size!r}")  # fmt: skip
         if x_t.dim() != 4:
             raise ValueError(f"reduce='tokens' needs [B, C, H, W] latents, got shape {tuple(x_t.shape)}")
         if x_t.shape[2] % patch_size or x_t.shape[3] % patch_size:
             raise ValueError(f"latent size {x_t.shape[2]}x{x_t.shape[3]} is not divisible by patch_size {patch_size}")
+
+
+def _requires_grad(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params) -> torch.Tensor:
@@ -121,8 +129,8 @@ def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, pa
     numel = x_t[0].numel() if b else 0
     reduced = max(x_t.shape[1] * patch_size**2 if reduce == "tokens" else numel, 1)
     layout = (b, numel, reduced, convention, reduce)
-    if torch.compiler.is_compiling():  # traced as torch ops; the std check reads a value: skipped
-        return step_coefficients(kind, t, s, *layout, x_t.device, check_std=False, **params)
+    if torch.compiler.is_compiling():  # traced as torch ops; the std and time checks read values: skipped
+        return step_coefficients(kind, t, s, *layout, x_t.device, check_std=False, check=False, **params)
     # The table is a function of the times' values. A trainer calls the ops with the same few (t, s)
     # over and over, and building the table takes ~25 small torch ops, more than the op itself: it is
     # built on the host and cached on x_t's device. Times on a GPU are read back first: one small copy
@@ -131,15 +139,18 @@ def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, pa
     # host times (a float or a CPU tensor) to avoid even the sync, as the trainer does.
     t, s = (u.cpu() if isinstance(u, torch.Tensor) else u for u in (t, s))
     key = tuple(sorted(params.items()))
-    return _cached_table(kind, _time_key(t), _time_key(s), layout, check_std, key, x_t.device)
+    return _cached_table(kind, _time_key(t, "t"), _time_key(s, "s"), layout, check_std, key, x_t.device)
 
 
-def _time_key(t) -> tuple:
+def _time_key(t, name: str) -> tuple:
     """A hashable key of the times (a number, or a tensor, list or array of them, kept in its shape so
     that every backend checks the same shape)."""
     if isinstance(t, (int, float)):
         return ("float", float(t))
-    t = torch.as_tensor(t)
+    try:
+        t = torch.as_tensor(t)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
     return ("tensor", t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist()))
 
 
@@ -195,13 +206,14 @@ def sde_step_with_logprob(
     `sde_logprob`.
     """
     _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size)
-    if torch.is_grad_enabled() and (x_t.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(_requires_grad(u) for u in (x_t, v, noise, t, s)):
         raise RuntimeError(
             "sde_step_with_logprob is the rollout op and has no gradient: call it under torch.no_grad() "
             "(sde_logprob is the differentiable training-side op)"
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":
+        check_times(t, s)
         out = reference.sde_step_with_logprob(
             kind, x_t, v, t, s, noise, convention, reduce, patch_size, generator=generator, **params
         )
@@ -209,7 +221,7 @@ def sde_step_with_logprob(
     deterministic = kind == "ode"
     coef = _coefficients(kind, x_t, t, s, convention, reduce, patch_size, not deterministic, params)
     if deterministic:
-        noise = v  # multiplied by std = 0: any finite tensor of the right shape
+        noise = torch.zeros_like(x_t, dtype=torch.float32)  # multiplied by std = 0 (v could hold an inf)
     elif noise is None:
         noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float32)
     x_t, v, noise = _kernel_input(x_t), _kernel_input(v), _kernel_input(noise)
@@ -250,13 +262,14 @@ def sde_logprob(
     if kind == "ode":
         raise ValueError("an 'ode' step is deterministic: it has no log-probability and no KL (see sde.degenerate_steps)")
     grad = torch.is_grad_enabled()
-    if grad and (x_t.requires_grad or sample.requires_grad):
+    if grad and any(_requires_grad(u) for u in (x_t, sample, t, s)):
         raise RuntimeError(
-            "sde_logprob is differentiable w.r.t. v and v_ref only; x_t and sample are stored rollout "
-            "tensors: detach them"
+            "sde_logprob is differentiable w.r.t. v and v_ref only; x_t, sample and the times t, s are "
+            "stored rollout values: detach them"
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":
+        check_times(t, s)
         return LogProbAndKL(
             *reference.sde_logprob(kind, x_t, v, t, s, sample, v_ref, convention, reduce, patch_size, **params)
         )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .coefficients import CA, CB, GKL, GLP, KL_SCALE, NUM_COEFS
+from .coefficients import CA, CB, GKL, GLP, KL_SCALE, NUM_COEFS, SECOND_DERIVATIVE
 from .sde_step import BLOCK, LAUNCH, _add, _token_tile, finish_log_prob, launcher, tile_config
 
 _CA = tl.constexpr(CA)
@@ -219,6 +219,8 @@ class SdeLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_kl):
+        if torch.is_grad_enabled():  # backward(create_graph=True): the kernels give no second derivative
+            raise RuntimeError(SECOND_DERIVATIVE)
         x_t, v, sample, v_ref, coef = ctx.saved_tensors
         if v_ref is None:
             grad_kl = None

@@ -464,6 +464,9 @@ def validate(cfg: Config) -> None:
             value = getattr(value, part)
         if not str(value).strip():
             raise ConfigError(f"{key} is empty (an unset variable?)")
+    if cfg.sampler == "cps" and cfg.sde.noise_level > 1:
+        raise ConfigError(f"sde.noise_level must be at most 1 with sampler=cps (std = s sin(a pi / 2) peaks at a = 1), "
+                          f"got {cfg.sde.noise_level}")  # fmt: skip
     if cfg.sde.eta > 1:
         raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
     if not str(cfg.output_dir).strip():

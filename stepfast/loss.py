@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stepfast.sde import per_sample
+
 
 @dataclass
 class StepLoss:
@@ -44,8 +46,7 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, sigma: torch.Ten
     """
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=mean.device)
     sq = (mean.float() - mean_ref.float()) ** 2
-    per_sample = sq.mean(dim=tuple(range(1, sq.dim())))
-    return per_sample / (2 * sigma.reshape(-1) ** 2)
+    return per_sample(sq, torch.mean) / (2 * sigma.reshape(-1) ** 2)
 
 
 def grpo_step_loss(

@@ -77,10 +77,23 @@ def _params(kind: str, params: dict) -> dict:
         )
     out = {}
     if "noise_level" in allowed:
-        out["noise_level"] = float(params.get("noise_level", DEFAULT_NOISE_LEVEL[kind]))
-    if "eta" in allowed:
-        out["eta"] = float(params.get("eta", DEFAULT_ETA))
+        # cps: std = s sin(a pi / 2) rises to s at a = 1 and falls again after it
+        top = 1.0 if kind == "cps" else math.inf
+        out["noise_level"] = _number(params.get("noise_level", DEFAULT_NOISE_LEVEL[kind]), "noise_level", top)
+    if "eta" in allowed:  # std = eta s sqrt(1 - t) must not exceed s
+        out["eta"] = _number(params.get("eta", DEFAULT_ETA), "eta", 1.0)
     return out
+
+
+def _number(value, name: str, top: float) -> float:
+    """`value` as a float in [0, top], or a ValueError naming the parameter."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not 0 <= number <= top:  # also NaN
+        raise ValueError(f"{name} must be in [0, {top:g}], got {number}")
+    return number
 
 
 def step_std(kind: str, t: torch.Tensor, s: torch.Tensor, **params) -> torch.Tensor:
@@ -212,10 +225,16 @@ def log_prob(
     else:
         elem = -sq
     if reduce == "mean":
-        return elem.mean(dim=tuple(range(1, elem.dim())))
+        return per_sample(elem, torch.mean)
     if reduce == "sum":
-        return elem.sum(dim=tuple(range(1, elem.dim())))
+        return per_sample(elem, torch.sum)
     return patch_mean(elem, patch_size)
+
+
+def per_sample(x: torch.Tensor, reduction) -> torch.Tensor:
+    """`reduction` (torch.mean, torch.sum) over every dimension but the first: [B, ...] -> [B]. A
+    [B] tensor is its own per-sample value (an empty dim tuple would reduce over the batch too)."""
+    return reduction(x, dim=tuple(range(1, x.dim()))) if x.dim() > 1 else x
 
 
 def patch_mean(x: torch.Tensor, patch_size: int | None) -> torch.Tensor:

@@ -120,6 +120,7 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("seed=-1", "seed must be >= 0, got -1"),
     ("sde.noise_level=.nan", "sde.noise_level must be >= 0, got nan"),
     ("sde.eta=3", "sde.eta must be at most 1"),
+    (["sampler=cps", "sde.noise_level=1.5"], "sde.noise_level must be at most 1 with sampler=cps"),
     ("rollout.cfg=-1", "rollout.cfg must be >= 0"),
     ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),
     ("reward.weights={shapes: .nan}", "reward.weights.shapes must be a finite number, got nan"),
@@ -149,7 +150,7 @@ def test_the_written_config_reads_back_the_same(tmp_path):
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config("default", [override])
+        load_config("default", override if isinstance(override, list) else [override])
     assert message in str(err.value)
 
 

@@ -404,6 +404,90 @@ def test_errors_name_the_problem(backend):
         sde_step_with_logprob("ddim", x, v.clone().requires_grad_(), 0.5, 0.4, inp["noise"], backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_bad_times_parameters_and_gradients_are_named_on_every_backend(backend):
+    """What the kernels cannot give is refused, alike on every backend: times that do not go down
+    within [0, 1] (they gave NaN, or finite nonsense, or 'deterministic step'), sampler parameters
+    out of range, a patch size that is no whole number, and gradients the fused ops do not carry
+    (to the noise, to the times: the torch backend gave them, the kernels silently did not)."""
+    inp = make_inputs("ddim", "mean_prime")
+    x, v, smp, noise = inp["x_t"], inp["v"], inp["sample"], inp["noise"]
+    for kind, t, s, message in [
+        ("flow_sde", 0.5, 0.7, "a step goes from t down to s < t, got t = 0.5 and s = 0.7"),
+        ("ddim", 0.5, 0.5, "a step goes from t down to s < t"),
+        ("ddim", 1.2, 0.9, r"t must lie in \[0, 1\] \(1 is noise, 0 is data\), got t = 1.2"),
+        ("ddim", 0.5, -0.1, r"s must lie in \[0, 1\]"),
+        ("cps", float("nan"), 0.4, "t holds NaN or inf"),
+        ("cps", torch.tensor([0.6, 0.7, float("inf")]), 0.4, "t holds NaN or inf"),
+        ("cps", None, 0.4, "t must be a float or a tensor of shape"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sde_logprob(kind, x, v, t, s, smp, backend=backend)
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            sde_step_with_logprob(kind, x, v, t, s, noise, backend=backend)
+    for kind, params, message in [
+        ("ddim", {"eta": 1.5}, r"eta must be in \[0, 1\], got 1.5"),
+        ("ddim", {"eta": -0.5}, r"eta must be in \[0, 1\], got -0.5"),
+        ("ddim", {"eta": float("nan")}, "eta must be in"),
+        ("ddim", {"eta": None}, "eta must be a number, got None"),
+        ("cps", {"noise_level": 2.0}, r"noise_level must be in \[0, 1\], got 2.0"),
+        ("flow_sde", {"noise_level": -0.7}, r"noise_level must be in \[0, inf\], got -0.7"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sde_logprob(kind, x, v, 0.5, 0.4, smp, backend=backend, **params)
+    for patch in (2.0, "2", True):
+        with pytest.raises(ValueError, match=rf"patch_size.*a whole number >= 1, got {patch!r}"):
+            sde_logprob("ddim", x[:, :, :6, :10], v[:, :, :6, :10], 0.5, 0.4, smp[:, :, :6, :10],
+                        reduce="tokens", patch_size=patch, backend=backend)  # fmt: skip
+    with pytest.raises(RuntimeError, match="no gradient"):
+        sde_step_with_logprob("ddim", x, v, 0.5, 0.4, noise.clone().requires_grad_(), backend=backend)
+    with pytest.raises(RuntimeError, match="the times t, s are stored rollout values"):
+        sde_logprob("ddim", x, v.clone().requires_grad_(), torch.full((3,), 0.5, requires_grad=True), 0.4, smp,
+                    backend=backend)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_the_kernels_refuse_a_second_derivative(backend):
+    """The kernels' backward is not differentiable: asking for a second derivative is an error (it was
+    a silent zero), while the torch backend gives it."""
+    inp = make_inputs("ddim", "mean_prime")
+    v = inp["v"].clone().requires_grad_()
+    lp, _ = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], backend=backend)
+    with pytest.raises(RuntimeError, match="the fused sde_logprob has no second derivative"):
+        (grad,) = torch.autograd.grad(lp.sum(), v, create_graph=True)
+        grad.pow(2).sum().backward()
+    lp, _ = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], backend="torch")
+    (grad,) = torch.autograd.grad(lp.sum(), v, create_graph=True)
+    (second,) = torch.autograd.grad(grad.pow(2).sum(), v)
+    assert second.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf - inf
+def test_one_value_per_sample_and_infinite_velocities_match_the_reference(backend):
+    """[B] inputs (one value per sample) give [B] log-probs as the kernels always did: the reference
+    averaged over the batch. An ode step with an infinite velocity gives what the reference gives
+    (the kernels multiplied the velocity by std = 0 as its noise: NaN). A sample with no elements
+    is an error."""
+    g = torch.Generator().manual_seed(4)
+    x, v, smp, v_ref = (torch.randn(5, generator=g) for _ in range(4))
+    for torch_out, kernel_out in zip(sde_logprob("ddim", x, v, 0.5, 0.4, smp, v_ref, backend="torch"),
+                                     sde_logprob("ddim", x, v, 0.5, 0.4, smp, v_ref, backend=backend)):  # fmt: skip
+        assert torch_out.shape == kernel_out.shape == (5,)
+        assert_matches64(kernel_out, torch_out.double(), what="[B] input")
+    inp = make_inputs("ddim", "mean_prime")
+    v = inp["v"].clone()
+    v[1, 2, 3, 4] = float("inf")
+    with torch.no_grad():
+        ref = sde_step_with_logprob("ode", inp["x_t"], v, 0.5, 0.4, backend="torch")
+        out = sde_step_with_logprob("ode", inp["x_t"], v, 0.5, 0.4, backend=backend)
+    assert out.sample[1, 2, 3, 4] == ref.sample[1, 2, 3, 4] == float("-inf")
+    assert torch.equal(out.sample.isnan(), ref.sample.isnan()) and not out.sample.isnan().any()
+    empty = torch.zeros(3, 0, 4, 4)
+    with pytest.raises(ValueError, match=r"x_t has no elements per sample: shape \(3, 0, 4, 4\)"):
+        sde_logprob("ddim", empty, empty, 0.5, 0.4, empty, backend=backend)
+
+
 def test_sampler_parameters_reach_the_kernels():
     inp = make_inputs("ddim", "mean_prime")
     for kind, params in (("ddim", {"eta": 0.5}), ("cps", {"noise_level": 0.4}), ("flow_sde", {"noise_level": 0.9})):
