@@ -11,9 +11,20 @@ import os
 import platform
 import sys
 
+#: Whether the caller's environment set OMP_WAIT_POLICY (else these benchmarks set it).
+OMP_POLICY_FROM_CALLER = "OMP_WAIT_POLICY" in os.environ
 #: Whether OMP_WAIT_POLICY reached libgomp: set before torch was loaded, or by the caller's environment.
-OMP_POLICY_IN_EFFECT = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
+OMP_POLICY_IN_EFFECT = "torch" not in sys.modules or OMP_POLICY_FROM_CALLER
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def run_environment() -> dict[str, str]:
+    """The environment for a training run that a benchmark starts: the caller's, without the wait
+    policy these benchmarks set for themselves, so that the run is timed as `make train` runs."""
+    env = dict(os.environ)
+    if not OMP_POLICY_FROM_CALLER:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 def omp_policy() -> str:

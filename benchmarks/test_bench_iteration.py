@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from machine import run_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("rollout", "estimates", "rewards", "update")
 
@@ -29,7 +31,7 @@ def run(preset: str, out: Path, iterations: int, model: str) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), "--config", preset, f"output_dir={out}",
            f"iterations={iterations}", f"model.path={model}", "eval.before_after=false", "checkpoint_every=0",
            "log.report=false", "log.tensorboard=false"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_environment(), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{preset} failed:\n{proc.stderr[-4000:]}")
     with (out / "metrics.csv").open() as f:

@@ -458,7 +458,8 @@ def validate(cfg: Config) -> None:
             f"reward.options.{unused[0]}: {unused[0]!r} is neither a reward in reward.weights nor eval.reward"
             f"{_suggest(unused[0], names, 'reward.options.')}"
         )
-    for key in ("resume", "model.path", "rollout.prompts", "eval.prompts", "eval.reward"):
+    evaluated = ("eval.prompts", "eval.reward") if cfg.eval.before_after or cfg.eval.every else ()
+    for key in ("resume", "model.path", "rollout.prompts", *evaluated):
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)

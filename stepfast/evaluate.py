@@ -54,12 +54,12 @@ def read_prompts(source: str) -> list[dict]:
     them: a missing file, a directory, a line that is not UTF-8 or not JSON raises an error naming
     the file (and the line, `path:line`), as does a `.txt` prompt ShapeEval cannot parse."""
     path = resolve_prompt_file(f"shapeeval:{source}" if source in ("train", "test") else source)
-    if path.suffix == ".jsonl":
-        return load_metadata(path)
-    if path.suffix != ".txt":
+    if path.suffix not in (".txt", ".jsonl") and not path.exists():
         raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "
                          "*_metadata.jsonl file or a .txt file of prompts (one per line)")  # fmt: skip
-    load_prompts(path)  # names a missing file, a directory, a line not UTF-8 (path:line), an empty file
+    load_prompts(path)  # names a missing file, a directory, another suffix, a bad line (path:line), no prompts
+    if path.suffix == ".jsonl":
+        return load_metadata(path)
     records = []
     for n, text in numbered_lines(path):
         if not text.strip():

@@ -213,8 +213,8 @@ class Batcher:
             check = getattr(self.rewards[name], "check", None)
             if check is None:
                 continue
-            try:
-                check(job.prompts, job.metadata)
+            try:  # with a record per prompt, as the trainer calls it (None where a request has no metadata)
+                check(job.prompts, job.metadata if job.metadata is not None else [None] * len(job.prompts))
             except ValueError as exc:
                 job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: {exc}"))
                 return False

@@ -80,16 +80,17 @@ class Trainer:
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
-        try:  # a reward built without an option it needs raises TypeError: bad input, named
+        try:  # a reward built without an option it needs (TypeError) or with a bad one: bad input, named
             # a model reward runs on this rank's device unless set; eval.reward's options are its own
             options = {name: rewards.with_device(name, cfg.reward.options.get(name), device)
                        for name in cfg.reward.weights}  # fmt: skip
             self.reward = rewards.load_weighted(cfg.reward.weights, options)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
         check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
                       f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
-        check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()})
+        if self.main:  # one rank asks, so that all of them stop on one answer (the launcher ends the others)
+            check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()})
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
@@ -279,10 +280,11 @@ class Trainer:
         try:  # with the options reward.options gives it, as a train reward has
             options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device)
             reward = rewards.load(cfg.eval.reward, **options)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
-        check_servers({f"eval.reward={cfg.eval.reward}": reward})
+        if self.main:
+            check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward})
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:

@@ -147,11 +147,17 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("rollout.prompts=", "rollout.prompts is empty"),
     ("eval.prompts=' '", "eval.prompts is empty"),
     ("eval.reward=", "eval.reward is empty"),
+    (["eval.every=5", "eval.before_after=false", "eval.prompts="], "eval.prompts is empty"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("default", override if isinstance(override, list) else [override])
     assert message in str(err.value)
+
+
+def test_the_eval_settings_are_not_needed_without_evaluation():
+    cfg = load_config("default", ["eval.before_after=false", "eval.every=0", "eval.prompts=", "eval.reward="])
+    assert cfg.eval.prompts == cfg.eval.reward == ""
 
 
 def test_bad_preset_and_yaml(tmp_path):

@@ -191,6 +191,11 @@ def test_prompt_files_are_read_as_the_trainer_reads_them(tmp_path):
         ev.read_prompts(str(tmp_path / "folder.txt"))
     with pytest.raises(ValueError, match="'tset' is not train, test, shapeeval:train"):
         ev.read_prompts("tset")
+    (tmp_path / "prompts").mkdir()  # a folder, with no suffix: named as what it is
+    with pytest.raises(ValueError, match=f"prompt file {tmp_path / 'prompts'} is a directory"):
+        ev.read_prompts(str(tmp_path / "prompts"))
+    with pytest.raises(FileNotFoundError, match=f"prompt file {tmp_path / 'missing.jsonl'} does not exist"):
+        ev.read_prompts(str(tmp_path / "missing.jsonl"))
 
 
 def test_seeds_fix_the_images_whatever_the_batch_size(tiny):

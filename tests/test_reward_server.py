@@ -301,6 +301,23 @@ def test_a_request_a_reward_rejects_leaves_its_batch(local, scenes):
     assert reward.batches == [4]  # one call for the two good requests, none for the bad one
 
 
+def test_a_check_gets_one_record_per_prompt_as_the_trainer_gives_it(local, scenes):
+    """A request without metadata: the check gets [None] * n, as from the trainer, not None."""
+    images, prompts, _ = scenes
+
+    class LoopsOverRecords(Recording):
+        def check(self, prompts, metadata=None):
+            assert len(metadata) == len(prompts)  # a check written against the trainer's calls
+            self.reward.check(prompts, metadata)
+
+    batcher = Batcher({"shapes": LoopsOverRecords(local["shapes"])}, batch_size=64, window_s=0.01)
+    try:
+        got = batcher.submit(["shapes"], images[:2], prompts[:2], None).result(10)["shapes"]
+    finally:
+        batcher.close()
+    assert got == {k: v.tolist() for k, v in local["shapes"].score(images[:2], prompts[:2]).items()}
+
+
 class FaultProxy(LoopbackServer):
     """A loopback proxy in front of a reward server that injects one fault per request, in order:
     "500", "malformed", "partial" (valid JSON without scores), "slow" (answers after `slow_s`),
@@ -431,9 +448,16 @@ def test_the_client_checks_the_server_answers_and_serves_its_rewards(server):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(ValueError, match=rf"reward server {dead} did not answer GET /health in 4 attempt\(s\) "
-                                         r"\(last: ConnectionRefusedError"):
+    with pytest.raises(ValueError, match=rf"reward server {dead} failed after 4 attempt\(s\); last failure: "
+                                         r"ConnectionRefusedError.*is it a stepfast reward server"):
         rewards.load("remote", url=dead, rewards=["shapes"], **FAST).check_server()
+    start_time = time.monotonic()  # another service, or a wrong path: a 404, which no retry mends
+    with pytest.raises(ValueError, match=rf"reward server {server.url}/api failed after 1 attempt\(s\); last "
+                                         r"failure: HTTP 404"):
+        rewards.load("remote", url=server.url + "/api", rewards=["shapes"], retries=5, backoff=10).check_server()
+    assert time.monotonic() - start_time < 5
+    with pytest.raises(ValueError, match=r"reward server URL '127.0.0.1:8600' must look like http://HOST:PORT"):
+        rewards.load("remote", url="127.0.0.1:8600", rewards=["shapes"])
 
 
 # -- the command line: bad arguments are one-line errors with exit code 2 -------------------------

@@ -440,14 +440,15 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         assert np.abs(grids[0] - grids[1]).mean() < 1.0, tag
 
 
-def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path):
-    """As the SD3.5 presets' eval rewards: options from reward.options, also for an eval reward that
-    is not a training reward (evaluating with PickScore a run trained on another reward), and
-    (PickScore) no pass/fail."""
+@pytest.mark.parametrize("trained", ["train_helpers:ScaledBrightness", "train_helpers:brightness"])
+def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path, trained):
+    """As the SD3.5 presets' eval rewards: options from reward.options, whether the eval reward is
+    also the training reward (the presets) or not (evaluating with PickScore a run trained on
+    another reward), and (PickScore) no pass/fail."""
     name = "train_helpers:ScaledBrightness"
     out = tmp_path / "run"
     cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0,
-                      reward={"weights": {"train_helpers:brightness": 1.0}, "options": {name: {"scale": 0.5}}},
+                      reward={"weights": {trained: 1.0}, "options": {name: {"scale": 0.5}}},
                       eval={"before_after": True, "reward": name, "limit": 2, "seeds": 1, "min_images": 0,
                             "steps": 2},
                       log={"tensorboard": False, "report": True})  # fmt: skip
@@ -546,6 +547,18 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     assert_unchanged(out, files)
 
 
+def test_a_run_killed_after_its_last_checkpoint_finishes_on_resume(baseline, tmp_path):
+    """Killed between the last checkpoint and the end (its report): resume=auto with the same
+    iterations trains nothing more and writes what was left."""
+    config, out, files = copy_run(baseline, tmp_path)
+    shutil.rmtree(out / "report")
+    proc = train(config, "resume=auto")
+    assert f"resumed from {out}/checkpoints/checkpoint-000004 at iteration 5" in proc.stdout
+    assert (out / "report" / "summary.md").is_file()
+    assert [r["iteration"] for r in metrics(out)] == [1, 2, 3, 4]  # no iteration trained again
+    assert {p for p in files if "report" not in p.parts} <= {p for p in out.rglob("*") if p.is_file()}
+
+
 @pytest.mark.parametrize("overrides, damage, message", [
     (["resume=auto", "iterations=6"], True, "metrics.csv: cannot read the metrics logged so far"),
     # the baseline ran on one rank: ZeRO's optimizer state cannot be split across two
@@ -596,10 +609,12 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
     (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 trains no step"),
     (["reward.weights={remote: 1.0}", "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], "
-      "retries: 0}}"], "reward.options.remote: reward server http://127.0.0.1:9 did not answer GET /health"),
+      "retries: 0}}"], "reward.options.remote: reward server http://127.0.0.1:9 failed after 1 attempt(s)"),
+    (["reward.weights={remote: 1.0}", "reward.options={remote: {url: '127.0.0.1:9', rewards: [shapes]}}"],
+     "reward.weights / reward.options: reward server URL '127.0.0.1:9' must look like http://HOST:PORT/path"),
     (["eval.before_after=true", "eval.reward=remote",
       "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], retries: 0}}"],
-     "eval.reward=remote: reward server http://127.0.0.1:9 did not answer GET /health"),
+     "eval.reward=remote (reward.options.remote): reward server http://127.0.0.1:9 failed after 1 attempt(s)"),
     pytest.param(["optim.precision=fp16"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
                  "optim.precision=fp16, optim.deepspeed={}): Type fp16 is not supported on your device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs fp16")),

@@ -17,17 +17,15 @@ last failure, so a trainer can stop cleanly and keep its last checkpoint.
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
-import time
 
 import numpy as np
 import torch
 
 from stepfast.rewards.combine import weighted_sum
 from stepfast.rewards.images import to_uint8
-from stepfast.rewards.transport import MAX_BACKOFF_S, MalformedResponse, RewardServerError, get_json, post
+from stepfast.rewards.transport import MalformedResponse, RewardServerError, check_url, get_json, post
 
 __all__ = ["RemoteReward", "RewardServerError"]
 
@@ -37,6 +35,7 @@ class RemoteReward:
                  retries: int = 5, backoff: float = 1.0, batch_size: int = 64):
         if not url:
             raise TypeError("reward 'remote' needs url=<http://HOST:PORT of a stepfast reward server>")
+        check_url(url)
         if isinstance(rewards, str):
             rewards = [r.strip() for r in rewards.split(",") if r.strip()]
         if not rewards:
@@ -53,28 +52,22 @@ class RemoteReward:
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.batch_size = int(batch_size)
 
-    def health(self) -> dict:
-        """The server's /health answer (one try, no retries): its rewards and limits."""
-        return get_json(self.url + "/health", timeout=min(self.timeout, 10.0))
+    def health(self, retries: int = 0) -> dict:
+        """The server's /health answer, its rewards and limits (one try unless `retries`);
+        RewardServerError when it does not answer."""
+        return get_json(self.url + "/health", timeout=min(self.timeout, 10.0), retries=retries,
+                        backoff=self.backoff, server=self.url)  # fmt: skip
 
     def check_server(self) -> None:
         """A ValueError naming the server when it does not answer /health or does not serve every
         reward asked for: what a trainer checks at start, rather than after its first rollout. Tried
-        as a score request is (`retries` more times, with the same backoff), so a server that is
-        still loading its models is waited for."""
-        last_failure = "no attempt made"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
-            try:
-                health = self.health()
-                break
-            except (RewardServerError, OSError, http.client.HTTPException, ValueError) as exc:
-                last_failure = f"{type(exc).__name__}: {exc}"
-        else:
-            raise ValueError(f"reward server {self.url} did not answer GET /health in {self.retries + 1} "
-                             f"attempt(s) (last: {last_failure}); start it with python -m "
-                             "stepfast.reward_server, or check its url")  # fmt: skip
+        as a score request is (`retries` more times, with the same backoff: about 31 s in all with
+        the defaults), so a server that is still starting is waited for that long."""
+        try:
+            health = self.health(retries=self.retries)
+        except RewardServerError as exc:
+            raise ValueError(f"{exc}; is it a stepfast reward server (python -m stepfast.reward_server), and "
+                             "running?") from None  # fmt: skip
         served = health.get("rewards") if isinstance(health, dict) else None
         if not isinstance(served, list):
             raise ValueError(f"{self.url}/health answered {health!r}: not a stepfast reward server")

@@ -1,7 +1,7 @@
 """HTTP with timeouts and retries for the rewards that call a server (remote, vlm, geneval_remote).
 
-One POST is tried `retries + 1` times. Between tries the client waits `backoff * 2**k` seconds
-(k = 0, 1, ...; at most `MAX_BACKOFF_S`). A try fails, and is retried, when the connection cannot be
+One request (a POST; a GET for health checks) is tried `retries + 1` times. Between tries the
+client waits `backoff * 2**k` seconds (k = 0, 1, ...; at most `MAX_BACKOFF_S`). A try fails, and is retried, when the connection cannot be
 made or breaks, when no byte arrives for `timeout` seconds, on HTTP 5xx/408/429, and when the
 answer cannot be parsed. Any other 4xx means the request itself is wrong: retrying cannot help, so
 it fails at once. When every try has failed the call raises `RewardServerError`, which names the
@@ -54,21 +54,37 @@ def post(
     `parse` raises `MalformedResponse` (or any ValueError) for an answer it cannot use; that try
     then counts as failed. `server` is how errors name the server (default: `url`).
     """
-    if retries < 0 or timeout <= 0 or backoff < 0:
-        raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")
+    sent_headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+    sent_headers.update(headers or {})
+    return _request("POST", url, body, sent_headers, parse, timeout, retries, backoff, server)
+
+
+def get_json(url: str, timeout: float = 10.0, retries: int = 0, backoff: float = 1.0, server: str | None = None) -> Any:
+    """GET `url` and decode its JSON body (a health check), retried as a POST is (none by default)."""
+    import json
+
+    return _request("GET", url, None, {}, json.loads, timeout, retries, backoff, server)
+
+
+def check_url(url: str) -> urllib.parse.SplitResult:
+    """`url` split, or a ValueError unless it looks like http(s)://HOST[:PORT][/path]."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/path")
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    sent_headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
-    sent_headers.update(headers or {})
+    return parts
 
+
+def _request(method, url, body, headers, parse, timeout, retries, backoff, server) -> Any:
+    if retries < 0 or timeout <= 0 or backoff < 0:
+        raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")
+    parts = check_url(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     last_failure = "no attempt made"
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
         try:
-            status, payload = _post_once(parts, path, body, sent_headers, timeout)
+            status, payload = _send_once(method, parts, path, body, headers, timeout)
         except (socket.timeout, TimeoutError):
             last_failure = f"no answer within the {timeout:g} s timeout"
             continue
@@ -87,12 +103,12 @@ def post(
     raise RewardServerError(server or url, retries + 1, last_failure)
 
 
-def _post_once(parts, path, body, headers, timeout) -> tuple[int, bytes]:
+def _send_once(method, parts, path, body, headers, timeout) -> tuple[int, bytes]:
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.hostname, parts.port, timeout=timeout)
     try:
         try:
-            conn.request("POST", path, body=body, headers=headers)
+            conn.request(method, path, body=body, headers=headers)
         except (BrokenPipeError, ConnectionResetError):
             # A server may answer early (413: body too large) and stop reading; its answer is
             # still waiting to be read.
@@ -101,24 +117,6 @@ def _post_once(parts, path, body, headers, timeout) -> tuple[int, bytes]:
         return resp.status, resp.read()
     finally:
         conn.close()
-
-
-def get_json(url: str, timeout: float = 10.0) -> Any:
-    """GET `url` once and decode its JSON body (for health checks; no retries)."""
-    import json
-
-    parts = urllib.parse.urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request("GET", parts.path or "/")
-        resp = conn.getresponse()
-        payload = resp.read()
-    finally:
-        conn.close()
-    if resp.status != 200:
-        raise RewardServerError(url, 1, f"HTTP {resp.status}: {_excerpt(payload)}")
-    return json.loads(payload)
 
 
 def _excerpt(payload: bytes, limit: int = 300) -> str:
