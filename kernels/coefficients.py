@@ -64,7 +64,8 @@ def times(t, batch: int, device: torch.device, name: str = "times") -> torch.Ten
 
 def _host_times(t, name: str) -> torch.Tensor:
     try:
-        return torch.as_tensor(t, dtype=torch.float64).cpu().reshape(-1)
+        # rounded to float32 first, as every backend computes with them (`times`, stepfast.sde)
+        return torch.as_tensor(t, dtype=torch.float32).cpu().double().reshape(-1)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
 

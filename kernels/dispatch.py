@@ -213,7 +213,8 @@ def sde_step_with_logprob(
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":
-        check_times(t, s)
+        if not torch.compiler.is_compiling():  # it reads the times' values
+            check_times(t, s)
         out = reference.sde_step_with_logprob(
             kind, x_t, v, t, s, noise, convention, reduce, patch_size, generator=generator, **params
         )
@@ -269,7 +270,8 @@ def sde_logprob(
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":
-        check_times(t, s)
+        if not torch.compiler.is_compiling():  # it reads the times' values
+            check_times(t, s)
         return LogProbAndKL(
             *reference.sde_logprob(kind, x_t, v, t, s, sample, v_ref, convention, reduce, patch_size, **params)
         )

@@ -89,8 +89,7 @@ class Trainer:
             raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
         check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
                       f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
-        if self.main:  # one rank asks, so that all of them stop on one answer (the launcher ends the others)
-            check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()})
+        check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
@@ -283,8 +282,7 @@ class Trainer:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
-        if self.main:
-            check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward})
+        check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
         return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
@@ -381,16 +379,29 @@ def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -
             raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_servers(by_setting: dict[str, object]) -> None:
+def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
     """A ConfigError naming the setting when a reward scored by a server (`remote`) cannot reach it,
     or the server does not serve what it asks for: found at start, not after the first rollout.
-    `by_setting`: each reward by the setting that names it."""
+    `by_setting`: each reward by the setting that names it. Every rank asks (each scores through its
+    own client, and may reach another server), and with several ranks every one stops when one
+    fails: a server answers each of them on its own, unlike the files the other checks read."""
+    error = None
     for key, reward in by_setting.items():
         if hasattr(reward, "check_server"):
             try:
                 reward.check_server()
             except ValueError as exc:
-                raise ConfigError(f"{key}: {exc}") from None
+                error = f"{key}: {exc}"
+                break
+    if world > 1 and any(hasattr(reward, "check_server") for reward in by_setting.values()):
+        errors = [None] * world
+        torch.distributed.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed and error is None:
+            rank, error = failed[0]
+            error = f"(on rank {rank}) {error}"
+    if error is not None:
+        raise ConfigError(error)
 
 
 def check_paths(cfg) -> None:

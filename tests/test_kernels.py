@@ -671,6 +671,45 @@ def test_cpp_op_under_torch_compile():
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_kernels_backward_runs_under_activation_checkpointing(backend, reentrant):
+    """Checkpointing recomputes its forward under enable_grad inside the backward pass: the kernels'
+    refusal of a second derivative must not fire there (only for create_graph=True)."""
+    inp = make_inputs("ddim", "mean_prime")
+    weight = torch.randn(inp["v"].shape[1:])
+
+    def loss(v):
+        lp, _ = sde_logprob("ddim", inp["x_t"], v * weight, inp["t"], inp["s"], inp["sample"], backend=backend)
+        return lp.sum()
+
+    grads = []
+    for checkpointed in (False, True):
+        v = inp["v"].clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(loss, v, use_reentrant=reentrant) if checkpointed else loss(v)
+        out.backward()
+        grads.append(v.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_the_torch_backend_compiles_whole_with_its_checks():
+    """The time check reads values: skipped while compiling (the fused paths' table is built on the
+    host), so a whole-graph compile of the torch backend still works."""
+    inp = make_inputs("cps", "mean_prime")
+
+    def loss(v):
+        lp, _ = sde_logprob("cps", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], convention="cps",
+                            backend="torch")  # fmt: skip
+        return lp.sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        v = inp["v"].clone().requires_grad_()
+        fn(v).backward()
+        grads.append(v.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def _ptxas_available() -> bool:
     """ptxas as triton finds it: its NVIDIA backend's bin/, TRITON_PTXAS_PATH or the PATH."""
     import os

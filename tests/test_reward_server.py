@@ -456,8 +456,9 @@ def test_the_client_checks_the_server_answers_and_serves_its_rewards(server):
                                          r"failure: HTTP 404"):
         rewards.load("remote", url=server.url + "/api", rewards=["shapes"], retries=5, backoff=10).check_server()
     assert time.monotonic() - start_time < 5
-    with pytest.raises(ValueError, match=r"reward server URL '127.0.0.1:8600' must look like http://HOST:PORT"):
-        rewards.load("remote", url="127.0.0.1:8600", rewards=["shapes"])
+    for url in ("127.0.0.1:8600", "http://127.0.0.1:86OO", "http://127.0.0.1:99999"):  # a port that is none
+        with pytest.raises(ValueError, match=f"reward server URL '{url}' must look like http://HOST:PORT"):
+            rewards.load("remote", url=url, rewards=["shapes"])
 
 
 # -- the command line: bad arguments are one-line errors with exit code 2 -------------------------

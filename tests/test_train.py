@@ -578,6 +578,33 @@ def test_bad_input_stops_every_rank_of_two(baseline, tmp_path, overrides, damage
     assert_unchanged(out, files)
 
 
+def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, tmp_path, monkeypatch):
+    """Each rank scores through its own client: each asks the server, and they all stop when any
+    one cannot reach it (it could be another server per node), instead of waiting in a collective."""
+    from stepfast.config import ConfigError
+    from stepfast.train import check_servers
+
+    class Answers:
+        def check_server(self):
+            pass
+
+    def gathered(out, mine):  # as all_gather_object on rank 0 of two, whose rank 1 failed
+        out[:] = [mine, "reward.options.remote: reward server http://node1:8600 failed after 6 attempt(s)"]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gathered)
+    with pytest.raises(ConfigError, match=r"^\(on rank 1\) reward.options.remote: reward server http://node1:8600"):
+        check_servers({"reward.options.remote": Answers()}, world=2)
+    check_servers({"reward.options.shapes": object()}, world=2)  # no server to ask: no collective
+
+    cfg = base_config(model_dir, tmp_path / "run", reward={
+        "weights": {"remote": 1.0}, "options": {"remote": {"url": "http://127.0.0.1:9", "rewards": ["shapes"],
+                                                           "retries": 0}}})  # fmt: skip
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), ranks=2, check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "reward.options.remote: reward server http://127.0.0.1:9 failed after 1 attempt(s)" in proc.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 @pytest.mark.parametrize("damage, overrides, message", [
     ("engine", [], "is marked complete but has no engine"),
     ("rng", [], "holds optimizer shards of 1 rank(s) and RNG files of ranks none (a damaged checkpoint)"),

@@ -69,7 +69,11 @@ def get_json(url: str, timeout: float = 10.0, retries: int = 0, backoff: float =
 def check_url(url: str) -> urllib.parse.SplitResult:
     """`url` split, or a ValueError unless it looks like http(s)://HOST[:PORT][/path]."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts.port  # noqa: B018  (reading it checks it: a number in 0-65535)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/path")
     return parts
 
