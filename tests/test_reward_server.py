@@ -122,23 +122,6 @@ def test_concurrent_requests_share_reward_calls(local, scenes):
         stop(server)
 
 
-def test_a_request_the_reward_fails_on_fails_alone(local, scenes):
-    """Requests batched into one reward call: when the call fails, each is scored alone, so only the
-    request the reward cannot score gets the error, not the others that shared its batch."""
-    images, prompts, _ = scenes
-    reward = Recording(local["shapes"])  # raises on "a photo of a dog"
-    batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
-    asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
-    futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
-    with pytest.raises(ValueError, match="a photo of a dog"):
-        futures[1].result(10)
-    for i in (0, 2):
-        expected = local["shapes"].score(images[2 * i : 2 * i + 2], asked[i])
-        assert futures[i].result(10)["shapes"] == {k: v.tolist() for k, v in expected.items()}
-    batcher.close()
-    assert reward.batches == [6, 2, 2, 2]  # the shared call, then each request alone
-
-
 def post_raw(server, body: bytes, path="/score"):
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
     try:
@@ -284,21 +267,27 @@ class Checking(Recording):
         self.reward.check(prompts, metadata)
 
 
-def test_a_request_a_reward_rejects_leaves_its_batch(local, scenes):
-    """Requests gathered into one batch: the one whose prompts the reward's check() rejects gets a
-    BadRequest (a 400) and is never scored; the others share one reward call and get their scores."""
+@pytest.mark.parametrize("wrapper, error, message, batches", [
+    # the shared call fails: each request is then scored alone, and only the bad one gets the error
+    ("Recording", ValueError, "a photo of a dog", [6, 2, 2, 2]),
+    # the reward's check() rejects one request before scoring: a 400, and it leaves the batch
+    ("Checking", BadRequest, "reward 'shapes'.*a photo of a dog", [4]),
+])  # fmt: skip
+def test_a_request_the_reward_cannot_score_fails_alone(local, scenes, wrapper, error, message, batches):
+    """Requests batched into one reward call: only the request the reward cannot score ("a photo of a
+    dog") gets the error, not the others that shared its batch, which get their scores."""
     images, prompts, _ = scenes
-    reward = Checking(local["shapes"])
+    reward = {"Recording": Recording, "Checking": Checking}[wrapper](local["shapes"])
     batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
     asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
     futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
-    with pytest.raises(BadRequest, match="reward 'shapes'.*a photo of a dog"):
+    with pytest.raises(error, match=message):
         futures[1].result(10)
     for i in (0, 2):
         expected = local["shapes"].score(images[2 * i : 2 * i + 2], asked[i])
         assert futures[i].result(10)["shapes"] == {k: v.tolist() for k, v in expected.items()}
     batcher.close()
-    assert reward.batches == [4]  # one call for the two good requests, none for the bad one
+    assert reward.batches == batches
 
 
 def test_a_check_gets_one_record_per_prompt_as_the_trainer_gives_it(local, scenes):
