@@ -7,7 +7,8 @@ Standard library only (http.server). JSON in, JSON out, images as base64 PNG: no
 Binds 127.0.0.1 unless --host says otherwise (there is no authentication: expose it only to a
 network you trust).
 
-    GET  /health -> {"status": "ok", "rewards": [...], "batch_size": N, "max_request_bytes": N}
+    GET  /health -> {"status": "ok", "rewards": [...], "batch_size": N, "max_request_bytes": N,
+                     "max_request_pixels": N}
     POST /score  <- {"rewards": ["shapes"], "images": [b64 png, ...], "prompts": [...],
                      "metadata": [dict | null, ...] (optional)}
                  -> {"scores": {"shapes": {"score": [...], "strict": [...], ...}}}
@@ -15,8 +16,9 @@ network you trust).
 Errors: 400 for a malformed request (the body says what is wrong: JSON it cannot read, an image
 that is no PNG or has over PIL's Image.MAX_IMAGE_PIXELS pixels, prompts or metadata that a served
 reward's check() rejects), 404 for another path, 411 without Content-Length, 413 for a body over
---max-request-mb, 500 when a reward raises while scoring (its error in the body; clients retry
-500s, not 4xx).
+--max-request-mb or images that declare more pixels in all than --max-request-mpixels (read from
+their headers, before any is decoded), 500 when a reward raises while scoring (its error in the
+body; clients retry 500s, not 4xx).
 
 Batching: a single worker thread owns the reward models. It takes the first waiting request, then
 keeps collecting requests for up to --batch-window-ms or until --batch-size images, and scores them
@@ -59,6 +61,14 @@ _PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 class BadRequest(ValueError):
     """The request is malformed; the message says how (sent back with HTTP 400)."""
 
+    status = 400
+
+
+class TooLarge(BadRequest):
+    """The request asks for more than this server takes at once (HTTP 413)."""
+
+    status = 413
+
 
 @dataclass
 class ScoreJob:
@@ -70,15 +80,33 @@ class ScoreJob:
 
 
 def decode_png(text, index: int) -> np.ndarray:
-    from PIL import Image
+    """images[index] of a request as uint8 [H, W, 3], or BadRequest naming it."""
+    raw = png_bytes(text, index)
+    check_png_size(raw, index)
+    return decode_png_bytes(raw, index)
 
+
+def png_bytes(text, index: int) -> bytes:
+    """The bytes of images[index], a base64 string, or BadRequest naming it."""
     if not isinstance(text, str):
         raise BadRequest(f"images[{index}] must be a base64 PNG string, got {type(text).__name__}")
     try:
-        raw = base64.b64decode(text, validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise BadRequest(f"images[{index}] is not a base64-encoded PNG: {exc}") from exc
-    check_png_size(raw, index)
+
+
+def png_size(raw: bytes) -> tuple[int, int] | None:
+    """(width, height) that the PNG header of `raw` declares, read without decoding; None without one."""
+    if len(raw) < 24 or not raw.startswith(_PNG_HEADER) or raw[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", raw[16:24])
+    return width, height
+
+
+def decode_png_bytes(raw: bytes, index: int) -> np.ndarray:
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(raw), formats=["PNG"]) as image:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
@@ -95,17 +123,20 @@ def check_png_size(raw: bytes, index: int) -> None:
     up to twice its limit; here its limit is the limit."""
     from PIL import Image
 
-    limit = Image.MAX_IMAGE_PIXELS
-    if limit is None or len(raw) < 24 or not raw.startswith(_PNG_HEADER) or raw[12:16] != b"IHDR":
+    limit, size = Image.MAX_IMAGE_PIXELS, png_size(raw)
+    if limit is None or size is None:
         return  # no limit, or no PNG header to read: PIL says what is wrong with it
-    width, height = struct.unpack(">II", raw[16:24])
+    width, height = size
     if width * height > limit:
         raise BadRequest(f"images[{index}] is {width}x{height} = {width * height} pixels, over this server's "
                          f"limit of {limit} pixels per image (PIL's Image.MAX_IMAGE_PIXELS); send smaller images")
 
 
-def parse_request(body: bytes, served) -> tuple[list[str], np.ndarray, list[str], list | None]:
-    """(rewards, images [n, H, W, 3] uint8, prompts, metadata) of a /score body, or BadRequest."""
+def parse_request(
+    body: bytes, served, max_pixels: int | None = None
+) -> tuple[list[str], np.ndarray, list[str], list | None]:
+    """(rewards, images [n, H, W, 3] uint8, prompts, metadata) of a /score body, or BadRequest;
+    TooLarge when its images declare more than `max_pixels` pixels in all (before any is decoded)."""
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -137,7 +168,14 @@ def parse_request(body: bytes, served) -> tuple[list[str], np.ndarray, list[str]
             raise BadRequest(f'"metadata" must be a list of {len(images)} objects (or null entries)')
         if not all(m is None or isinstance(m, dict) for m in metadata):
             raise BadRequest('"metadata" entries must be JSON objects or null')
-    pixels = [decode_png(text, i) for i, text in enumerate(images)]
+    raws = [png_bytes(text, i) for i, text in enumerate(images)]
+    for i, raw in enumerate(raws):
+        check_png_size(raw, i)
+    declared = sum(w * h for w, h in filter(None, map(png_size, raws)))
+    if max_pixels is not None and declared > max_pixels:
+        raise TooLarge(f"the {len(raws)} images declare {declared} pixels in all, over this server's limit of "
+                       f"{max_pixels} per request (--max-request-mpixels); send fewer images per request")
+    pixels = [decode_png_bytes(raw, i) for i, raw in enumerate(raws)]
     sizes = sorted({p.shape for p in pixels})
     if len(sizes) > 1:
         raise BadRequest(f"all images of a request must have one size; got {sizes}")
@@ -262,9 +300,11 @@ class RewardServer(ThreadingHTTPServer):
 
     def __init__(self, rewards: dict, host: str = "127.0.0.1", port: int = 8600,
                  max_request_bytes: int = 256 << 20, batch_size: int = 64, batch_window_s: float = 0.005,
-                 verbose: bool = False, bind_and_activate: bool = True):
+                 verbose: bool = False, bind_and_activate: bool = True, max_request_pixels: int = 256 << 20):
         self.rewards = rewards
         self.max_request_bytes = int(max_request_bytes)
+        # decoded, a request takes 3 bytes a pixel: the body limit alone lets a few KB of PNG declare GBs
+        self.max_request_pixels = int(max_request_pixels)
         self.verbose = verbose
         if ":" in host:  # an IPv6 address such as ::1
             self.address_family = socket.AF_INET6
@@ -294,6 +334,7 @@ class ScoreHandler(BaseHTTPRequestHandler):
             "rewards": sorted(self.server.rewards),
             "batch_size": self.server.batcher.batch_size,
             "max_request_bytes": self.server.max_request_bytes,
+            "max_request_pixels": self.server.max_request_pixels,
         })
 
     def do_POST(self) -> None:
@@ -311,9 +352,10 @@ class ScoreHandler(BaseHTTPRequestHandler):
             })
         body = self.rfile.read(length)
         try:
-            rewards, images, prompts, metadata = parse_request(body, self.server.rewards)
+            parsed = parse_request(body, self.server.rewards, self.server.max_request_pixels)
+            rewards, images, prompts, metadata = parsed
         except BadRequest as exc:
-            return self._send(400, {"error": str(exc)})
+            return self._send(exc.status, {"error": str(exc)})
         future = self.server.batcher.submit(rewards, images, prompts, metadata)
         try:
             scores = future.result()
@@ -409,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8600, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--max-request-mb", type=float, default=256,
                         help="largest request body in MiB (default: %(default)s)")
+    parser.add_argument("--max-request-mpixels", type=float, default=256,
+                        help="most pixels of all the images of a request, in units of 2^20 (default: %(default)s, "
+                             "256 images of 1024x1024)")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="most images per reward call (default: %(default)s)")
     parser.add_argument("--batch-window-ms", type=float, default=5,
@@ -429,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--batch-window-ms must be a number >= 0, got {args.batch_window_ms:g}")
     if not (math.isfinite(args.max_request_mb) and args.max_request_mb > 0):
         parser.error(f"--max-request-mb must be a number > 0, got {args.max_request_mb:g}")
+    if not (math.isfinite(args.max_request_mpixels) and args.max_request_mpixels > 0):
+        parser.error(f"--max-request-mpixels must be a number > 0, got {args.max_request_mpixels:g}")
     names = list(dict.fromkeys(n.strip() for n in args.rewards.split(",") if n.strip()))
     if not names:
         parser.error(f"--rewards names no reward (got {args.rewards!r}); give comma-separated reward names, "
@@ -446,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     rewards: dict = {}
     max_bytes = max(int(args.max_request_mb * (1 << 20)), 1)
     server = RewardServer(rewards, args.host, args.port, max_bytes, args.batch_size, args.batch_window_ms / 1000,
-                          args.verbose, bind_and_activate=False)  # fmt: skip
+                          args.verbose, bind_and_activate=False,
+                          max_request_pixels=max(int(args.max_request_mpixels * (1 << 20)), 1))  # fmt: skip
     try:
         try:
             server.server_bind()

@@ -212,6 +212,25 @@ def test_an_image_too_large_to_decode_is_a_bad_request(server, scenes, monkeypat
         status, answer)
 
 
+def test_images_over_the_request_pixel_limit_are_refused_before_decoding(local, scenes):
+    """Each image under PIL's limit, but many of them: the total the headers declare is capped per
+    request (413, which the client does not retry), and /health says the cap."""
+    images, prompts, _ = scenes
+    small = start(local, max_request_pixels=3 * 64 * 64)
+    try:
+        assert rewards.load("remote", url=small.url, rewards=["shapes"]).health()["max_request_pixels"] == 3 * 64 * 64
+        body = {"rewards": ["shapes"], "images": [blank_png(64, 64)] * 4, "prompts": ["a"] * 4}
+        status, answer = post_raw(small, json.dumps(body).encode())
+        assert status == 413 and answer["error"].startswith(
+            "the 4 images declare 16384 pixels in all, over this server's limit of 12288 per request"), (status, answer)
+        remote = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        with pytest.raises(RewardServerError, match="after 1 attempt.*HTTP 413.*declare 16384 pixels"):
+            remote.score(images[:4], prompts[:4])
+        assert_same(remote.score(images[:3], prompts[:3]), local["shapes"].score(images[:3], prompts[:3]))
+    finally:
+        stop(small)
+
+
 def test_json_nested_too_deeply_is_a_bad_request(server):
     status, answer = post_raw(server, b"[" * 100_000 + b"]" * 100_000)
     assert status == 400 and "not JSON" in answer["error"] and "nested too deeply" in answer["error"], (status, answer)
@@ -486,6 +505,7 @@ BAD_ARGUMENTS = [
     (["--batch-window-ms", "-1"], ["--batch-window-ms", ">= 0"]),
     (["--max-request-mb", "-1"], ["--max-request-mb", "> 0", "-1"]),
     (["--max-request-mb", "0"], ["--max-request-mb", "> 0"]),
+    (["--max-request-mpixels", "0"], ["--max-request-mpixels", "> 0", "got 0"]),
     (["--host", "no.such.host.invalid", "--port", "0"], ["cannot listen on no.such.host.invalid:0", "--host"]),
 ]
 
