@@ -79,13 +79,6 @@ class ScoreJob:
     future: Future
 
 
-def decode_png(text, index: int) -> np.ndarray:
-    """images[index] of a request as uint8 [H, W, 3], or BadRequest naming it."""
-    raw = png_bytes(text, index)
-    check_png_size(raw, index)
-    return decode_png_bytes(raw, index)
-
-
 def png_bytes(text, index: int) -> bytes:
     """The bytes of images[index], a base64 string, or BadRequest naming it."""
     if not isinstance(text, str):
@@ -105,6 +98,7 @@ def png_size(raw: bytes) -> tuple[int, int] | None:
 
 
 def decode_png_bytes(raw: bytes, index: int) -> np.ndarray:
+    """images[index] of a request, its PNG bytes, as uint8 [H, W, 3]; BadRequest naming it."""
     from PIL import Image
 
     try:
