@@ -195,8 +195,9 @@ def sde_step_with_logprob(
     """One rollout step t -> s of sampler `kind` and its log-probability, in one pass over memory.
 
     The same numbers as `stepfast.sde.step` then `stepfast.sde.log_prob(sample, mean, std, convention,
-    reduce, patch_size)`; t and s are floats or [B] tensors; inputs float32, bfloat16 or float16; math
-    and outputs float32. `noise` ~ N(0, I) of the shape of x_t (drawn with `generator` when None).
+    reduce, patch_size)`; t and s are floats or [B] tensors with 1 >= t > s >= 0 (an error otherwise,
+    on every backend); inputs float32, bfloat16 or float16; math and outputs float32. `noise` ~ N(0, I)
+    of the shape of x_t (drawn with `generator` when None).
 
     `ode` is deterministic: its sample is the Euler step and its log-prob is zeros (the convention of
     `stepfast.rollout.Trajectory`: a deterministic step carries no log-probability). A `gaussian`
