@@ -382,6 +382,14 @@ DEEPSPEED_KEYS_OWNED = {
 }
 
 
+def _get_dotted(cfg: Config, dotted: str) -> Any:
+    """cfg.<dotted> (a dotted key of the dataclasses, such as "optim.precision")."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate(cfg: Config) -> None:
     choices = {
         "sampler": SAMPLERS,
@@ -392,9 +400,7 @@ def validate(cfg: Config) -> None:
         "model.attention": ("sdpa", "xformers"),
     }
     for key, allowed in choices.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
+        value = _get_dotted(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     if cfg.optim.zero_stage not in (1, 2, 3):
@@ -460,10 +466,7 @@ def validate(cfg: Config) -> None:
         )
     evaluated = ("eval.prompts", "eval.reward") if cfg.eval.before_after or cfg.eval.every else ()
     for key in ("resume", "model.path", "rollout.prompts", *evaluated):
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if not str(value).strip():
+        if not str(_get_dotted(cfg, key)).strip():
             raise ConfigError(f"{key} is empty (an unset variable?)")
     if cfg.sampler == "cps" and cfg.sde.noise_level > 1:
         raise ConfigError(f"sde.noise_level must be at most 1 with sampler=cps (std = s sin(a pi / 2) peaks at a = 1), "
