@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stepfast.data.prompts import numbered_lines, load_prompts, resolve_prompt_file
-from stepfast.data.shapeeval import CATEGORIES, load_metadata, parse_prompt
+from stepfast.data.shapeeval import CATEGORIES, parse_prompt
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.models import (
     EMBEDDED_MODEL,
@@ -57,18 +57,18 @@ def read_prompts(source: str) -> list[dict]:
     if path.suffix not in (".txt", ".jsonl") and not path.exists():
         raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "
                          "*_metadata.jsonl file or a .txt file of prompts (one per line)")  # fmt: skip
-    load_prompts(path)  # names a missing file, a directory, another suffix, a bad line (path:line), no prompts
+    # names a missing file, a directory, another suffix, a bad line (path:line), a file of no prompts
+    records = load_prompts(path)
     if path.suffix == ".jsonl":
-        return load_metadata(path)
-    records = []
-    for n, text in numbered_lines(path):
-        if not text.strip():
-            continue
+        return [record.metadata for record in records]  # as shapeeval.load_metadata reads them
+    parsed = []
+    for record in records:
         try:
-            records.append(parse_prompt(text.strip()))
-        except ValueError as exc:
-            raise ValueError(f"{path}:{n}: {exc}") from None
-    return records
+            parsed.append(parse_prompt(record.prompt))
+        except ValueError as exc:  # named by its line, which the file is read again to find
+            line = next(n for n, text in numbered_lines(path) if text.strip() == record.prompt)
+            raise ValueError(f"{path}:{line}: {exc}") from None
+    return parsed
 
 
 def spread_over_categories(metadata: list[dict], limit: int | None) -> list[dict]:
