@@ -110,14 +110,14 @@ def decode_png_bytes(raw: bytes, index: int) -> np.ndarray:
         raise BadRequest(f"images[{index}] is not a base64-encoded PNG: {exc}") from exc
 
 
-def check_png_size(raw: bytes, index: int) -> None:
-    """BadRequest naming the image and its size when the PNG header of `raw` declares more pixels
-    than PIL's Image.MAX_IMAGE_PIXELS (no limit when that is None). Read before PIL decodes anything:
-    a few KB of PNG can declare a 20000x20000 image, gigabytes once decoded. PIL itself only warns
-    up to twice its limit; here its limit is the limit."""
+def check_png_size(size: tuple[int, int] | None, index: int) -> None:
+    """BadRequest naming the image and its size when its PNG header declares (`png_size`) more
+    pixels than PIL's Image.MAX_IMAGE_PIXELS (no limit when that is None). Read before PIL decodes
+    anything: a few KB of PNG can declare a 20000x20000 image, gigabytes once decoded. PIL itself
+    only warns up to twice its limit; here its limit is the limit."""
     from PIL import Image
 
-    limit, size = Image.MAX_IMAGE_PIXELS, png_size(raw)
+    limit = Image.MAX_IMAGE_PIXELS
     if limit is None or size is None:
         return  # no limit, or no PNG header to read: PIL says what is wrong with it
     width, height = size
@@ -163,11 +163,12 @@ def parse_request(
         if not all(m is None or isinstance(m, dict) for m in metadata):
             raise BadRequest('"metadata" entries must be JSON objects or null')
     raws = [png_bytes(text, i) for i, text in enumerate(images)]
-    for i, raw in enumerate(raws):
-        check_png_size(raw, i)
-    declared = sum(w * h for w, h in filter(None, map(png_size, raws)))
-    if max_pixels is not None and declared > max_pixels:
-        raise TooLarge(f"the {len(raws)} images declare {declared} pixels in all, over this server's limit of "
+    declared = [png_size(raw) for raw in raws]  # from the headers: nothing decoded yet
+    for i, size in enumerate(declared):
+        check_png_size(size, i)
+    total = sum(w * h for w, h in filter(None, declared))
+    if max_pixels is not None and total > max_pixels:
+        raise TooLarge(f"the {len(raws)} images declare {total} pixels in all, over this server's limit of "
                        f"{max_pixels} per request (--max-request-mpixels); send fewer images per request")
     pixels = [decode_png_bytes(raw, i) for i, raw in enumerate(raws)]
     sizes = sorted({p.shape for p in pixels})
@@ -354,7 +355,7 @@ class ScoreHandler(BaseHTTPRequestHandler):
         try:
             scores = future.result()
         except BadRequest as exc:  # a reward's check() rejects the prompts or metadata
-            return self._send(400, {"error": str(exc)})
+            return self._send(exc.status, {"error": str(exc)})
         except Exception as exc:
             return self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
         self._send(200, {"scores": scores})

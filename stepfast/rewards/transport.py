@@ -4,8 +4,9 @@ One request (a POST; a GET for health checks) is tried `retries + 1` times. Betw
 client waits `backoff * 2**k` seconds (k = 0, 1, ...; at most `MAX_BACKOFF_S`). A try fails, and is
 retried, when the connection cannot be made or breaks, when no byte arrives for `timeout` seconds,
 on HTTP 5xx/408/429, and when the answer cannot be parsed. Any other 4xx means the request itself
-is wrong: retrying cannot help, so it fails at once. When every try has failed the call raises `RewardServerError`, which names the
-server and the last failure; a trainer catches that one type to stop cleanly.
+is wrong: retrying cannot help, so it fails at once. When every try has failed the call raises
+`RewardServerError`, which names the server and the last failure; a trainer catches that one type
+to stop cleanly.
 
 Only the standard library is used; proxies from the environment are not consulted (reward servers
 are usually on the same host or cluster network).
