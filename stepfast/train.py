@@ -443,6 +443,12 @@ def main(argv=None) -> int:
         # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
         print(f"stepfast: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # Left to the interpreter's exit, gloo's threads can abort the process ("terminate called
+        # without an active exception", exit code 250 for the 2 of a named error) when a rank stops
+        # right after a collective, such as the start-up check of a reward server.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -600,7 +600,7 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
         "weights": {"remote": 1.0}, "options": {"remote": {"url": "http://127.0.0.1:9", "rewards": ["shapes"],
                                                            "retries": 0}}})  # fmt: skip
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), ranks=2, check=False, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
     assert "reward.options.remote: reward server http://127.0.0.1:9 failed after 1 attempt(s)" in proc.stderr
     assert not (tmp_path / "run" / "config.yaml").exists()
 
