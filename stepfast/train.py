@@ -55,38 +55,20 @@ class Trainer:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
-        if cfg.resume == "none":
-            held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
-            if held:
-                raise ConfigError(
-                    f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
-                    "newest checkpoint with resume=auto, or give another output_dir"
-                )
         # checked on every rank before the model loads (they would wait in a collective for rank 0):
-        # wandb when asked for, and the metrics logged so far (read once, here)
+        # the output folder, wandb when asked for, the checkpoint resumed and the metrics logged so
+        # far (read once, here)
+        self._check_output_dir()
         if cfg.log.wandb:
             import_wandb()
         logged = read_logged(self.out / "metrics.csv") if (self.out / "metrics.csv").exists() else None
         self.resume_from = self._resume_path()
         if self.resume_from is not None:
-            checkpoint.check_world(self.resume_from, world)
-            self._check_no_later_checkpoints()
-            done = checkpoint.iteration_of(self.resume_from)
-            if done is not None and done > cfg.iterations:  # (equal: the evaluation and report are left to do)
-                raise ConfigError(
-                    f"iterations={cfg.iterations}, but {self.resume_from} is at iteration {done}: a run cannot "
-                    f"go back; give iterations >= {done}, or another output_dir"
-                )
+            self._check_resumable()
         self.prompts = load_prompts(cfg.rollout.prompts)
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
-        try:  # a reward built without an option it needs (TypeError) or with a bad one: bad input, named
-            # a model reward runs on this rank's device unless set; eval.reward's options are its own
-            options = {name: rewards.with_device(name, cfg.reward.options.get(name), device)
-                       for name in cfg.reward.weights}  # fmt: skip
-            self.reward = rewards.load_weighted(cfg.reward.weights, options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
+        self.reward = build_reward(cfg, device)
         check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
                       f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
         check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
@@ -97,17 +79,7 @@ class Trainer:
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)
-        if not steps:
-            raise ConfigError(
-                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "
-                f"sde.min_std={cfg.sde.min_std} trains no step (every step is an ODE step or has a smaller std)"
-            )
-        backward_calls = len(steps) * len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
-        if backward_calls % cfg.optim.updates_per_iteration:
-            raise ConfigError(
-                f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the "
-                f"{backward_calls} backward passes of an iteration ({len(steps)} steps x micro-batches)"
-            )
+        backward_calls = self._backward_calls(steps)
         self.engine, self.optimizer, self.scheduler = build_engine(
             self.pipe.transformer, cfg.optim, cfg.rollout.micro_batch, backward_calls // cfg.optim.updates_per_iteration
         )
@@ -117,14 +89,8 @@ class Trainer:
                                         use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False)  # fmt: skip
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
         self.stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only: no estimates
-        if self.main:  # where the work runs (a capture that fails warns and runs eagerly)
-            setup = [f"{world} rank{'s' if world > 1 else ''} on {device.type}", f"SDE kernels {select_backend(device)}"]
-            if self.stepwise:
-                graph = device.type == "cuda" and self.estimator.engine.use_cuda_graph is not False
-                setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
-            print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
-            for warning in config_warnings(cfg, steps):
-                print(f"stepfast: warning: {warning}", file=sys.stderr)
+        if self.main:
+            self._print_setup(steps)
         self.start, self.evals = 1, {}
         self.resume()
         if self.main:
@@ -136,6 +102,59 @@ class Trainer:
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
+    def _check_output_dir(self) -> None:
+        """A ConfigError when a new run (resume=none) would write over a run in output_dir."""
+        if self.cfg.resume != "none":
+            return
+        held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
+        if held:
+            raise ConfigError(
+                f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
+                "newest checkpoint with resume=auto, or give another output_dir"
+            )
+
+    def _check_resumable(self) -> None:
+        """A ConfigError when the checkpoint resumed cannot continue this run: written by another
+        number of ranks, older than output_dir's newest, or past `iterations`."""
+        checkpoint.check_world(self.resume_from, self.world)
+        self._check_no_later_checkpoints()
+        done = checkpoint.iteration_of(self.resume_from)
+        if done is not None and done > self.cfg.iterations:  # (equal: the evaluation and report are left to do)
+            raise ConfigError(
+                f"iterations={self.cfg.iterations}, but {self.resume_from} is at iteration {done}: a run "
+                f"cannot go back; give iterations >= {done}, or another output_dir"
+            )
+
+    def _backward_calls(self, steps: list[int]) -> int:
+        """Backward passes per iteration and rank (trained steps x micro-batches); a ConfigError when
+        no step is trained or optim.updates_per_iteration does not divide them."""
+        cfg = self.cfg
+        if not steps:
+            raise ConfigError(
+                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "
+                f"sde.min_std={cfg.sde.min_std} trains no step (every step is an ODE step or has a smaller std)"
+            )
+        calls = len(steps) * len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
+        if calls % cfg.optim.updates_per_iteration:
+            raise ConfigError(
+                f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the "
+                f"{calls} backward passes of an iteration ({len(steps)} steps x micro-batches)"
+            )
+        return calls
+
+    def _print_setup(self, steps: list[int]) -> None:
+        """Where the work runs (a CUDA graph capture that fails warns and runs eagerly), and warnings
+        for settings that run but are probably not meant."""
+        cfg, world = self.cfg, self.world
+        setup = [f"{world} rank{'s' if world > 1 else ''} on {self.device.type}",
+                 f"SDE kernels {select_backend(self.device)}"]  # fmt: skip
+        if self.stepwise:
+            graph = self.device.type == "cuda" and self.estimator.engine.use_cuda_graph is not False
+            setup.append(f"estimates {'in a CUDA graph' if graph else 'eager'}")
+        print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
+        for warning in config_warnings(cfg, steps):
+            print(f"stepfast: warning: {warning}", file=sys.stderr)
+
     def _strata(self) -> list[str] | None:
         """The category of each prompt when rollout.balance_categories is on."""
         if not self.cfg.rollout.balance_categories:
@@ -367,6 +386,17 @@ class Trainer:
         self.scorer.close()
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
+
+
+def build_reward(cfg, device: torch.device):
+    """The weighted training reward of reward.weights, each part with its reward.options (a model
+    reward on this rank's device unless they set one); a ConfigError for a part built without an
+    option it needs (TypeError) or with a bad one."""
+    try:
+        options = {name: rewards.with_device(name, cfg.reward.options.get(name), device) for name in cfg.reward.weights}
+        return rewards.load_weighted(cfg.reward.weights, options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
 
 
 def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -> None:
