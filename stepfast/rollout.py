@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import sde
-from .kernels import sde_logprob
+from .kernels import sde_step_with_logprob
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,28 +62,24 @@ def sample_trajectory(
     """
     grid = torch.as_tensor(grid, dtype=torch.float32)
     steps = grid.numel() - 1
-    window = range(steps) if sde_window is None else range(*sde_window)
-    stochastic = ~sde.degenerate_steps(kind, grid, threshold=min_std, **params)
-    trained = torch.tensor([j in window and bool(stochastic[j]) for j in range(steps)])
+    trained = sde.trained_steps(kind, grid, sde_window, min_std, **params)
     x = x_init.float()
     b = x.shape[0]
     states, velocities, log_probs = [x], [], []
     for j in range(steps):
-        t = grid[j].expand(b).to(x.device)
-        s = grid[j + 1].expand(b).to(x.device)
-        v = velocity(x, t).float()
-        # ODE outside the window and where the std is under min_std: an untrained step adds no noise
-        step_kind, step_params = (kind, params) if trained[j] else ("ode", {})
-        out = sde.step(step_kind, x, v, t, s, noise=None if noise is None else noise[j],
-                       generator=generator, **step_params)
+        t, s = grid[j].expand(b), grid[j + 1].expand(b)  # on the host: see below
+        v = velocity(x, t.to(x.device)).float()
         if trained[j]:
-            # the training-side op, so that the update recomputes these numbers bit for bit; the times
-            # from the host grid, whose coefficient table the op caches without reading a GPU back
-            lp = sde_logprob(kind, x, v, grid[j].expand(b), grid[j + 1].expand(b), out.sample,
-                             convention=convention, reduce=reduce, patch_size=patch_size, **params).log_prob
-        else:
+            # the fused op: the sample and its log-prob in one pass, the log-prob bit for bit what the
+            # update's sde_logprob recomputes from the stored sample (the ratio starts at exactly 1); the
+            # times from the host grid, whose coefficient table the op caches without reading a GPU back
+            sample, lp = sde_step_with_logprob(kind, x, v, t, s, None if noise is None else noise[j],
+                                               convention=convention, reduce=reduce, patch_size=patch_size,
+                                               generator=generator, **params)  # fmt: skip
+        else:  # ODE outside the window and where the std is under min_std: an untrained step adds no noise
+            sample = sde.step("ode", x, v, t.to(x.device), s.to(x.device)).sample
             lp = torch.zeros(sde_logprob_shape(x, reduce, patch_size), device=x.device)
-        x = out.sample
+        x = sample
         states.append(x)
         velocities.append(v)
         log_probs.append(lp)
