@@ -257,6 +257,6 @@ def trained_steps(cfg: Config, grid: torch.Tensor | None = None) -> list[int]:
     """The steps the update trains: in the SDE window, with a std of at least sde.min_std on `grid`
     (the trainer's, whose shift is the model scheduler's; default the SD3 grid, shift 3)."""
     grid = sde.sd3_time_grid(cfg.sde.steps) if grid is None else grid
-    stochastic = ~sde.degenerate_steps(cfg.sampler, grid, threshold=cfg.sde.min_std, **sde_params(cfg))
-    window = range(cfg.sde.steps) if cfg.sde.window is None else range(*cfg.sde.window)
-    return [j for j in range(cfg.sde.steps) if j in window and bool(stochastic[j])]
+    window = None if cfg.sde.window is None else tuple(cfg.sde.window)
+    trained = sde.trained_steps(cfg.sampler, grid, window, cfg.sde.min_std, **sde_params(cfg))
+    return trained.nonzero().flatten().tolist()

@@ -283,3 +283,16 @@ def degenerate_steps(kind: str, grid: torch.Tensor, threshold: float = DEGENERAT
     """
     grid = torch.as_tensor(grid, dtype=torch.float32)
     return step_std(kind, grid[:-1], grid[1:], **params) < threshold
+
+
+def trained_steps(
+    kind: str, grid: torch.Tensor, window: tuple[int, int] | None = None, min_std: float = DEGENERATE_STD, **params
+) -> torch.Tensor:
+    """Bool [N]: which steps of `grid` are sampled with `kind` and trained: those in the SDE window
+    [a, b) (all steps when None) that are not degenerate (`degenerate_steps` with `min_std`). The
+    others are ODE steps."""
+    grid = torch.as_tensor(grid, dtype=torch.float32)
+    steps = grid.numel() - 1
+    in_window = torch.zeros(steps, dtype=torch.bool)
+    in_window[slice(*window) if window is not None else slice(None)] = True
+    return in_window & ~degenerate_steps(kind, grid, threshold=min_std, **params)
