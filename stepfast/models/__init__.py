@@ -19,7 +19,7 @@ import torch
 #: The shipped tiny SD3 pipeline (diffusers format), rebuilt by `python -m stepfast.pretrain`.
 EMBEDDED_MODEL: str = str(Path(__file__).resolve().parent / "embedded")
 
-#: Files of an SD3 pipeline directory that `from_pretrained` reads first.
+#: The `_class_name`s of model_index.json that an SD3 pipeline directory may give.
 _SD3_CLASSES = ("StableDiffusion3Pipeline",)
 _DIFFUSERS_DEFAULT_TEXT_LENGTH = 256
 
@@ -203,7 +203,7 @@ def load_transformer(pipe, path: str | Path):
     path = check_transformer_dir(path)
     old = pipe.transformer
     try:
-        new = SD3Transformer2DModel.from_pretrained(path, torch_dtype=old.dtype)
+        new = SD3Transformer2DModel.from_pretrained(path, **_dtype_kwarg(old.dtype))
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         raise ValueError(f"cannot load the transformer in {path}: {exc}") from exc
     changed = sorted(k for k in set(new.config) | set(old.config)
