@@ -70,10 +70,6 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
     return pipe
 
 
-def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], cfg_scale: float, device) -> PromptEmbeddings:
     embeds, neg, pooled, neg_pooled = pipe.encode_prompt(

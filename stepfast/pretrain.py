@@ -77,7 +77,7 @@ def to_model_range(images: np.ndarray, device) -> torch.Tensor:
 
 def category_balanced_weights(metadata: list[dict]) -> np.ndarray:
     """Sampling weight per prompt: each category gets an equal share, split evenly among its
-    prompts (the train split holds 2 single-object prompts and 118 colour-attribute ones)."""
+    prompts (ShapeEval's train split holds 2 single-object prompts and 227 colour-attribute ones)."""
     tags = [m["tag"] for m in metadata]
     present = [c for c in CATEGORIES if c in tags] or sorted(set(tags))
     counts = {c: tags.count(c) for c in present}
