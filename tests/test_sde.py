@@ -174,7 +174,9 @@ def test_kl_sigma_drops_sqrt_dt_for_flow_sde_only():
 def test_a_step_under_min_std_is_an_ode_step_in_the_rollout(kind):
     """sample_trajectory: a step inside the window whose std is under min_std is deterministic, as
     the method has it: the ODE step, not the sampler's step with its small noise (which no trained step
-    could learn from, and which would spread a group's rewards). The other steps are the sampler's."""
+    could learn from, and which would spread a group's rewards). The other steps are the sampler's,
+    drawn by the fused step op with their log-prob."""
+    from stepfast.kernels import sde_step_with_logprob
     from stepfast.rollout import sample_trajectory
 
     grid = sde.sd3_time_grid(10)
@@ -194,4 +196,9 @@ def test_a_step_under_min_std_is_an_ode_step_in_the_rollout(kind):
         t, s = grid[j].expand(4), grid[j + 1].expand(4)
         step_kind, step_params = (kind, params) if traj.trained[j] else ("ode", {})
         expected = sde.step(step_kind, traj.states[j], traj.velocities[j], t, s, noise=noise[j], **step_params)
-        assert torch.equal(traj.states[j + 1], expected.sample), f"step {j}"
+        if traj.trained[j]:  # through the fused op (its own tests hold it to the float64 reference)
+            torch.testing.assert_close(traj.states[j + 1], expected.sample, msg=f"step {j}")
+            fused = sde_step_with_logprob(kind, traj.states[j], traj.velocities[j], t, s, noise[j], **params)
+            assert torch.equal(traj.states[j + 1], fused.sample) and torch.equal(traj.log_probs[j], fused.log_prob)
+        else:
+            assert torch.equal(traj.states[j + 1], expected.sample), f"step {j}"
