@@ -105,7 +105,7 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
     x0 = estimator(cond.select(index), states, t, cfg.rollout.substeps, first_velocity=first_velocity)
-    images = decode(pipe, x0, batch_size=max(64, b))
+    images = decode(pipe, x0)
     if inverse is not None:
         images = images[inverse.to(images.device)]
     return images.reshape(steps, b, *images.shape[1:])

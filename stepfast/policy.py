@@ -126,14 +126,25 @@ def latent_shape(pipe, batch: int, resolution: int) -> tuple[int, ...]:
     return (batch, pipe.transformer.config.in_channels, resolution // scale, resolution // scale)
 
 
+#: Latents per VAE call of `decode`. Every call decodes exactly this many, so that an image's pixels do
+#: not depend on how many others are decoded with it: oneDNN and cuDNN choose their algorithms by
+#: shape, and on a CPU the tiny VAE rounds a batch of 14 differently from one of 28. A run on two ranks
+#: then decodes every image as a run on one rank does.
+DECODE_BATCH = 16
+
+
 @torch.no_grad()
-def decode(pipe, latents: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
-    """Latents -> images as float [B, 3, H, W] in [0, 1] (on the CPU), decoded in chunks."""
+def decode(pipe, latents: torch.Tensor, batch_size: int = DECODE_BATCH) -> torch.Tensor:
+    """Latents -> images as float [B, 3, H, W] in [0, 1] (on the CPU), decoded in chunks of exactly
+    `batch_size`, the last one padded with copies of its last latent (see DECODE_BATCH)."""
     vae = pipe.vae
     out = []
     for chunk in latents.split(batch_size):
+        n = chunk.shape[0]
+        if n < batch_size:
+            chunk = torch.cat([chunk, chunk[-1:].expand(batch_size - n, *chunk.shape[1:])])
         z = chunk.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        img = vae.decode(z, return_dict=False)[0]
+        img = vae.decode(z, return_dict=False)[0][:n]
         out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
     return torch.cat(out)
 

@@ -105,3 +105,19 @@ def test_lora_targets_that_match_no_module_are_named(tmp_path):
     cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", "model.lora_targets=[attn.to_qq]"])
     with pytest.raises(ValueError, match=r"model.lora_targets=\['attn.to_qq'\]: .*not found"):
         load_policy_pipeline(cfg.model, torch.device("cpu"))
+
+
+def test_an_image_decodes_alike_however_many_are_decoded_with_it(tmp_path):
+    """decode pads every VAE call to the same batch, so an image's pixels do not depend on the batch
+    it was decoded in (a run on two ranks decodes half of a one-rank run's images per call). Without
+    the padding the tiny VAE rounds 14 latents on a CPU differently from the same 14 among 28."""
+    from stepfast.policy import DECODE_BATCH, decode
+
+    pipe = load_pipeline(tiny_pipeline_dir(tmp_path / "tiny", seed=0))
+    shape = latent_shape(pipe, 2 * DECODE_BATCH - 4, 64)
+    latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    whole = decode(pipe, latents)
+    assert whole.shape[0] == latents.shape[0]
+    for n in (1, 5, DECODE_BATCH - 2, DECODE_BATCH, DECODE_BATCH + 3):
+        assert torch.equal(decode(pipe, latents[:n]), whole[:n]), n
+        assert torch.equal(decode(pipe, latents[-n:]), whole[-n:]), n
