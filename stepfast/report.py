@@ -103,9 +103,9 @@ def gain_heatmap(rows: list[dict], path: Path) -> bool:
 
 
 def held_out_gain(evals: dict) -> dict | None:
-    """`stepfast.evaluate.paired_gain` of evals["before"] to evals["after"] when both hold their
+    """`stepfast.heldout.paired_gain` of evals["before"] to evals["after"] when both hold their
     "samples" records (as eval_*.json do), else None."""
-    from stepfast.evaluate import paired_gain
+    from stepfast.heldout import paired_gain
 
     samples = [evals.get(tag, {}).get("samples") for tag in ("before", "after")]
     if not all(isinstance(s, list) for s in samples):
@@ -114,7 +114,7 @@ def held_out_gain(evals: dict) -> dict | None:
 
 
 def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, after: dict | None, cfg) -> Path:
-    from stepfast.evaluate import markdown_table, sample_grid
+    from stepfast.heldout import markdown_table, sample_grid
 
     report = Path(out) / "report"
     report.mkdir(parents=True, exist_ok=True)

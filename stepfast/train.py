@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): 
 import torch
 from tqdm import tqdm
 
-from stepfast import checkpoint, grpo, rewards
+from stepfast import checkpoint, grpo, heldout, rewards
 from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
@@ -290,11 +290,10 @@ class Trainer:
 
     def _eval_setup(self) -> tuple[list[dict], list, object]:
         """(metadata of the evaluated prompts, the (metadata, seed) plan, the eval reward)."""
-        from stepfast import evaluate as ev
-
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
-        metas = ev.spread_over_categories([r.metadata or {"prompt": r.prompt} for r in records], cfg.eval.limit or None)
+        metas = [r.metadata or {"prompt": r.prompt} for r in records]
+        metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
         try:  # with the options reward.options gives it, as a train reward has
             options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device)
             reward = rewards.load(cfg.eval.reward, **options)
@@ -302,35 +301,33 @@ class Trainer:
             raise ConfigError(f"eval.reward: {exc}") from exc
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
-        return metas, ev.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
+        return metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
         equal share of the images and gets every score (so every rank knows which evaluations are
         done); only rank 0, which writes eval_{tag}.json and the report, gets the images, and only
         when `keep_images`."""
-        from stepfast import evaluate as ev
-
         cfg = self.cfg
         metas, plan, reward = self.eval_setup  # set at start whenever the config evaluates
-        share, real = ev.shard(plan, self.rank, self.world)
+        share, real = heldout.shard(plan, self.rank, self.world)
         with self.ema.applied(self.engine.module) if self.ema is not None else contextlib.nullcontext():
-            scored = ev.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg, batch_size=cfg.eval.batch_size,
-                                       reward=reward, size=cfg.rollout.resolution,
-                                       progress=self.main)  # fmt: skip
+            scored = heldout.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg,
+                                            batch_size=cfg.eval.batch_size, reward=reward,
+                                            size=cfg.rollout.resolution, progress=self.main)  # fmt: skip
         scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
         if self.world > 1:
             pixels = scored.pop("pixels")  # the images are most of the bytes: scores alone go to every rank
             parts = [None] * self.world
             torch.distributed.all_gather_object(parts, scored)
-            scored = ev.unshard(parts, self.world)
+            scored = heldout.unshard(parts, self.world)
             if keep_images:
                 held = [None] * self.world if self.main else None
                 torch.distributed.gather_object(pixels, held, dst=0)
-                pixels = ev.interleave(held, self.world) if self.main else pixels
+                pixels = heldout.interleave(held, self.world) if self.main else pixels
             scored["pixels"] = pixels  # on other ranks their own share: summarise reads only its size
-        settings = ev.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
-        result = ev.summarise(plan, scored, settings, keep_images and self.main)
+        settings = heldout.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
+        result = heldout.summarise(plan, scored, settings, keep_images and self.main)
         self.evals[tag] = {"overall": result["overall"], "categories": result["categories"]}
         if tag in ("before", "after"):  # every image's result, for the gain's standard error (also after a resume)
             self.evals[tag]["samples"] = result["samples"]

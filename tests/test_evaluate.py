@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from stepfast import evaluate as ev
+from stepfast import heldout
 from stepfast.data.shapeeval import CATEGORIES, load_metadata
 from stepfast.models import EMBEDDED_MODEL, load_lora, load_pipeline, load_transformer
 from stepfast.models.tiny import tiny_pipeline_dir
@@ -37,7 +38,7 @@ class CountingReward:
 
 def test_overall_is_the_mean_over_categories_not_over_images():
     tags = ["counting"] * 3 + ["position"]
-    table = ev.geneval_table(tags, np.array([1.0, 1.0, 1.0, 0.0]), np.array([1.0, 0.5, 0.0, 0.25]))
+    table = heldout.geneval_table(tags, np.array([1.0, 1.0, 1.0, 0.0]), np.array([1.0, 0.5, 0.0, 0.25]))
     assert table["categories"]["counting"] == {"strict": 1.0, "score": 0.5, "n": 3}
     assert table["categories"]["position"] == {"strict": 0.0, "score": 0.25, "n": 1}
     assert table["overall"]["strict"] == pytest.approx(0.5)  # images would say 0.75
@@ -56,8 +57,8 @@ def test_paired_gain_is_the_overall_difference_with_a_bootstrap_standard_error()
     before = {("colors", f"p{i}"): rng.integers(0, 2, 4) for i in range(6)}
     before.update({("single_object", "square"): rng.integers(0, 2, 32)})
     after = {k: np.where(rng.random(len(v)) < 0.3, 1 - v, v) for k, v in before.items()}
-    gain = ev.paired_gain(records(before), records(after))
-    tables = [ev.geneval_table([s["tag"] for s in r], np.array([s["strict"] for s in r]), np.array([0.0] * len(r)))
+    gain = heldout.paired_gain(records(before), records(after))
+    tables = [heldout.geneval_table([s["tag"] for s in r], np.array([s["strict"] for s in r]), np.array([0.0] * len(r)))
               for r in (records(before), records(after))]  # fmt: skip
     assert gain["gain"] == pytest.approx(tables[1]["overall"]["strict"] - tables[0]["overall"]["strict"], abs=1e-12)
     # One category of one prompt: the bootstrap redraws its seeds, so the standard error is that of a
@@ -65,11 +66,11 @@ def test_paired_gain_is_the_overall_difference_with_a_bootstrap_standard_error()
     one = {("single_object", "square"): before[("single_object", "square")]}
     moved = {("single_object", "square"): after[("single_object", "square")]}
     d = (moved[("single_object", "square")] - one[("single_object", "square")]).astype(float)
-    single = ev.paired_gain(records(one), records(moved), resamples=4000)
+    single = heldout.paired_gain(records(one), records(moved), resamples=4000)
     assert single["se"] == pytest.approx(d.std(ddof=0) / np.sqrt(len(d)), rel=0.08)
     # The same images before and after: no gain and no spread; the same draws give the same answer.
-    assert ev.paired_gain(records(before), records(before)) == {"gain": 0.0, "se": 0.0, "resamples": 1000}
-    assert ev.paired_gain(records(before), records(after)) == gain
+    assert heldout.paired_gain(records(before), records(before)) == {"gain": 0.0, "se": 0.0, "resamples": 1000}
+    assert heldout.paired_gain(records(before), records(after)) == gain
 
 
 def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
@@ -82,7 +83,7 @@ def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
     before.update({("counting", f"n{i}"): [1] * 4 for i in range(4)})
     after = {("colors", f"c{i}"): [d] * 4 for i, d in enumerate(colors)}
     after.update({("counting", f"n{i}"): [1 + d] * 4 for i, d in enumerate(counting)})
-    gain = ev.paired_gain(records(before), records(after), resamples=4000)
+    gain = heldout.paired_gain(records(before), records(after), resamples=4000)
     assert gain["gain"] == pytest.approx((np.mean(colors) + np.mean(counting)) / 2)
     want = np.sqrt(np.var(colors) / 5 + np.var(counting) / 4) / 2
     assert gain["se"] == pytest.approx(want, rel=0.08)
@@ -92,17 +93,17 @@ def test_paired_gain_needs_the_same_draws_with_a_pass_fail():
     before = records({("colors", "a"): [1, 0], ("counting", "b"): [0, 0]})
     for after in (before[:-1], before + before[:1], [dict(s, seed=s["seed"] + 1) for s in before],
                   [dict(s, tag="position") for s in before], [dict(s, strict=float("nan")) for s in before]):
-        assert ev.paired_gain(before, after) is None
-    assert ev.paired_gain([], []) is None
+        assert heldout.paired_gain(before, after) is None
+    assert heldout.paired_gain([], []) is None
     # a prompt file that lists a prompt twice draws each (prompt, seed) twice: still paired, in order
     twice = before + before
-    gain = ev.paired_gain(twice, [dict(s, strict=1.0) for s in twice])
+    gain = heldout.paired_gain(twice, [dict(s, strict=1.0) for s in twice])
     assert gain is not None and gain["gain"] == pytest.approx(((1 - 0.5) + (1 - 0.0)) / 2)
 
 
 def test_limit_spreads_prompts_over_categories():
     metadata = load_metadata("test")
-    picked = ev.spread_over_categories(metadata, 8)
+    picked = heldout.spread_over_categories(metadata, 8)
     assert len(picked) == 8
     assert {m["tag"] for m in picked} == set(CATEGORIES)
     assert len({m["prompt"] for m in picked}) == 8
@@ -115,7 +116,7 @@ def test_small_categories_get_more_seeds_up_to_min_images():
     metadata = [{"prompt": "a", "tag": "single_object"}, {"prompt": "b", "tag": "counting"},
                 {"prompt": "c", "tag": "counting"}, {"prompt": "d", "tag": "counting"}] + [
                 {"prompt": f"e{i}", "tag": "colors"} for i in range(9)]  # fmt: skip
-    plan = ev.plan_samples(metadata, seeds=[3, 5], min_images=9)
+    plan = heldout.plan_samples(metadata, seeds=[3, 5], min_images=9)
     seeds = {}
     for meta, seed in plan:
         seeds.setdefault(meta["prompt"], []).append(seed)
@@ -123,12 +124,12 @@ def test_small_categories_get_more_seeds_up_to_min_images():
     assert seeds["b"] == seeds["d"] == [3, 5, 6]  # 3 prompts: ceil(9 / 3) = 3 seeds each
     assert all(seeds[f"e{i}"] == [3, 5] for i in range(9))  # 18 images already
     assert [m["prompt"] for m, _ in plan[:9]] == ["a"] * 9  # prompt-major
-    assert len(ev.plan_samples(metadata, seeds=2)) == 2 * len(metadata)  # min_images=0: GenEval's plan
+    assert len(heldout.plan_samples(metadata, seeds=2)) == 2 * len(metadata)  # min_images=0: GenEval's plan
     # at least min_images: 10 images over 3 counting prompts are 4 seeds each, not 3
-    seeds = Counter(m["prompt"] for m, _ in ev.plan_samples(metadata, seeds=[3, 5], min_images=10))
+    seeds = Counter(m["prompt"] for m, _ in heldout.plan_samples(metadata, seeds=[3, 5], min_images=10))
     assert (seeds["a"], seeds["b"], seeds["e0"]) == (10, 4, 2)
     with pytest.raises(ValueError, match="min_images"):
-        ev.plan_samples(metadata, 2, min_images=-1)
+        heldout.plan_samples(metadata, 2, min_images=-1)
 
 
 def test_summary_counts_images_names_untagged_categories_and_tables_strict_before_score():
@@ -137,10 +138,10 @@ def test_summary_counts_images_names_untagged_categories_and_tables_strict_befor
             ({"prompt": "a photo of a square", "tag": "colors"}, 2)]
     scored = {"strict": np.array([1.0, 0.0, 1.0, 0.0, 1.0]), "score": np.array([0.75, 0.5, 1.0, 0.25, 0.25]),
               "category": np.array([0, 2, -1, 0, 0]), "pixels": np.zeros((5, 8, 8, 3), np.uint8), "seconds": {}}
-    result = ev.summarise(plan, scored, {})
+    result = heldout.summarise(plan, scored, {})
     assert [s["tag"] for s in result["samples"]] == ["single_object", "counting", "other", "colors", "colors"]
     assert result["overall"]["n"] == 5 and result["categories"]["colors"]["n"] == 2  # images, not categories
-    table = ev.markdown_table(result).splitlines()
+    table = heldout.markdown_table(result).splitlines()
     assert table[0] == "| category | strict | score | n |"
     assert "| single_object | 1.000 | 0.750 | 1 |" in table and "| colors | 0.500 | 0.250 | 2 |" in table
     assert table[-1] == "| **overall** | **0.625** | **0.625** | 5 |"
@@ -149,14 +150,14 @@ def test_summary_counts_images_names_untagged_categories_and_tables_strict_befor
 @pytest.mark.parametrize("n, world", [(7, 2), (10, 3), (2, 3), (5, 1)])
 def test_shards_pad_to_equal_lengths_and_unshard_restores_the_order(n, world):
     plan = list(range(n))
-    shares = [ev.shard(plan, rank, world) for rank in range(world)]
+    shares = [heldout.shard(plan, rank, world) for rank in range(world)]
     assert len({len(share) for share, _ in shares}) == 1  # the same pipeline calls on every rank
     parts = []
     for share, real in shares:
         values = np.array(share[:real], dtype=float)
         parts.append({"strict": values, "score": values * 2, "category": values, "seconds": {"sampling": real},
                       "pixels": np.repeat(values.astype(np.uint8)[:, None, None, None], 3, axis=3)})  # fmt: skip
-    merged = ev.unshard(parts, world)
+    merged = heldout.unshard(parts, world)
     assert merged["strict"].tolist() == plan and merged["score"].tolist() == [2 * p for p in plan]
     assert merged["pixels"][:, 0, 0, 0].tolist() == plan
     assert merged["seconds"]["sampling"] == max(real for _, real in shares)
@@ -202,8 +203,8 @@ def test_seeds_fix_the_images_whatever_the_batch_size(tiny):
     _, pipe = tiny
     metadata = load_metadata("test")[:3]
     reward = CountingReward()
-    a = ev.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=6, reward=reward, progress=False, keep_images=True)
-    b = ev.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=4, reward=reward, progress=False, keep_images=True)
+    a = heldout.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=6, reward=reward, progress=False, keep_images=True)
+    b = heldout.evaluate(pipe, metadata, seeds=2, steps=2, batch_size=4, reward=reward, progress=False, keep_images=True)
     # Same noise per (prompt, seed); only float rounding of batched matmuls may move a level.
     diff = np.abs(a["images"].astype(int) - b["images"].astype(int))
     assert diff.max() <= 2 and (diff > 0).mean() < 1e-3
@@ -219,15 +220,15 @@ def test_min_images_draws_more_seeds_and_the_grid_shows_the_first_ones(tiny):
     _, pipe = tiny
     metadata = load_metadata("test")[:3]  # one prompt in each of three categories
     reward = CountingReward()
-    result = ev.evaluate(pipe, metadata, seeds=2, steps=2, min_images=3, batch_size=4, reward=reward,
+    result = heldout.evaluate(pipe, metadata, seeds=2, steps=2, min_images=3, batch_size=4, reward=reward,
                          progress=False, keep_images=True)  # fmt: skip
     assert [s["seed"] for s in result["samples"]] == [0, 1, 2] * 3
     assert result["settings"]["seeds"] == [0, 1] and result["settings"]["min_images"] == 3
     assert all(row["n"] == 3 for row in result["categories"].values())
-    same = ev.evaluate(pipe, metadata, seeds=3, steps=2, batch_size=5, reward=reward, progress=False, keep_images=True)
+    same = heldout.evaluate(pipe, metadata, seeds=3, steps=2, batch_size=5, reward=reward, progress=False, keep_images=True)
     diff = np.abs(result["images"].astype(int) - same["images"].astype(int))
     assert diff.max() <= 2  # seed 2 is the same image whichever way it was asked for
-    grid = ev.sample_grid(result["images"], result["samples"], columns=2, scale=1)
+    grid = heldout.sample_grid(result["images"], result["samples"], columns=2, scale=1)
     assert grid.size[1] == 3 * (64 + 6 + 12) and grid.size[0] == 300 + 2 * (64 + 6)
 
 
@@ -237,7 +238,7 @@ def test_grid_frames_say_pass_fail_or_none_and_large_images_shrink():
     samples = [{"prompt": "p", "tag": "colors", "seed": s, "strict": v, "score": 0.5}
                for s, v in enumerate([1.0, 0.0, float("nan")])]  # fmt: skip
     for side, tile in ((64, 128), (1024, 256)):
-        grid = ev.sample_grid(np.zeros((3, side, side, 3), dtype=np.uint8), samples, columns=3)
+        grid = heldout.sample_grid(np.zeros((3, side, side, 3), dtype=np.uint8), samples, columns=3)
         assert grid.size == (300 + 3 * (tile + 6), tile + 6 + 12)
         frames = [grid.getpixel((300 + c * (tile + 6) + 1, 1)) for c in range(3)]
         assert frames == [(40, 200, 60), (210, 50, 50), (120, 120, 120)]
@@ -257,9 +258,9 @@ def test_lora_changes_the_samples(tiny, tmp_path):
     StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer))
 
     metadata = load_metadata("test")[:2]
-    base = ev.evaluate(load_pipeline(path), metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
+    base = heldout.evaluate(load_pipeline(path), metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
     tuned_pipe = load_lora(load_pipeline(path), tmp_path / "lora")
-    tuned = ev.evaluate(tuned_pipe, metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
+    tuned = heldout.evaluate(tuned_pipe, metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)
     assert not np.array_equal(base["images"], tuned["images"])
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_lora(load_pipeline(path), tmp_path / "nowhere")
@@ -305,9 +306,9 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
 def test_evaluate_rejects_empty_input(tiny):
     _, pipe = tiny
     with pytest.raises(ValueError, match="at least one prompt"):
-        ev.evaluate(pipe, [], reward=CountingReward())
+        heldout.evaluate(pipe, [], reward=CountingReward())
     with pytest.raises(ValueError, match="at least one seed"):
-        ev.evaluate(pipe, load_metadata("test")[:1], seeds=[], reward=CountingReward())
+        heldout.evaluate(pipe, load_metadata("test")[:1], seeds=[], reward=CountingReward())
 
 
 @pytest.mark.parametrize("args, message", [

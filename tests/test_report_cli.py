@@ -129,7 +129,7 @@ def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, frag
 
 
 def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_samples(run):
-    from stepfast.evaluate import paired_gain
+    from stepfast.heldout import paired_gain
 
     run, _, _ = run
     samples = {}
