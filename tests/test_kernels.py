@@ -340,15 +340,21 @@ def test_gradient_of_kl_alone_and_of_log_prob_alone(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("update", ["no_grad", "grad", "grad_kl"])
+@pytest.mark.parametrize("convention", ["gaussian", "cps"])
 @pytest.mark.parametrize("case", ["mean_prime", "sum_multiblock", "tokens_p2"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_on_policy_log_prob_is_bitwise_the_rollouts(kind, case, device, backend):
-    """The training side recomputes the rollout's log-prob exactly: the PPO ratio starts at 1."""
+def test_on_policy_log_prob_is_bitwise_the_rollouts(kind, case, convention, update, device, backend):
+    """The training side recomputes the rollout's log-prob exactly, as the update calls it (with a
+    gradient, and with the KL to the reference when optim.beta > 0): the PPO ratio starts at 1."""
     inp = make_inputs(kind, case, device)
-    sample, lp_old = run_step(kind, inp, "gaussian", backend)
-    lp_new, _ = sde_logprob(kind, inp["x_t"], inp["v"], inp["t"], inp["s"], sample, reduce=inp["reduce"],
-                            patch_size=inp["patch_size"], backend=backend)  # fmt: skip
-    assert torch.equal(lp_new, lp_old)
+    sample, lp_old = run_step(kind, inp, convention, backend)
+    v = inp["v"].detach().clone().requires_grad_(update != "no_grad")
+    v_ref = inp["v_ref"] if update == "grad_kl" else None
+    with torch.set_grad_enabled(update != "no_grad"):
+        lp_new, _ = sde_logprob(kind, inp["x_t"], v, inp["t"], inp["s"], sample, v_ref, convention=convention,
+                                reduce=inp["reduce"], patch_size=inp["patch_size"], backend=backend)  # fmt: skip
+    assert torch.equal(lp_new.detach(), lp_old)
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
