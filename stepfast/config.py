@@ -68,6 +68,9 @@ class RolloutConfig:
     resolution: int = 64
     substeps: int = 3  # T': Euler substeps of each clean-image estimate
     micro_batch: int = 8  # samples per forward/backward (per rank)
+    # latents per VAE call (images and clean estimates), every call padded to it so that an image's
+    # pixels do not depend on its rank's share of the batch; lower it for large images
+    decode_batch: int = 16
 
 
 @dataclass
@@ -409,6 +412,7 @@ def validate(cfg: Config) -> None:
         "iterations": cfg.iterations, "rollout.groups": cfg.rollout.groups,
         "rollout.group_size": cfg.rollout.group_size, "rollout.substeps": cfg.rollout.substeps,
         "rollout.micro_batch": cfg.rollout.micro_batch, "rollout.resolution": cfg.rollout.resolution,
+        "rollout.decode_batch": cfg.rollout.decode_batch,
         "sde.steps": cfg.sde.steps, "optim.updates_per_iteration": cfg.optim.updates_per_iteration,
         "keep_checkpoints": cfg.keep_checkpoints, "reward.batch_size": cfg.reward.batch_size,
         "eval.seeds": cfg.eval.seeds, "eval.steps": cfg.eval.steps, "eval.batch_size": cfg.eval.batch_size,

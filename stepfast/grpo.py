@@ -105,7 +105,7 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
     x0 = estimator(cond.select(index), states, t, cfg.rollout.substeps, first_velocity=first_velocity)
-    images = decode(pipe, x0)
+    images = decode(pipe, x0, cfg.rollout.decode_batch)
     if inverse is not None:
         images = images[inverse.to(images.device)]
     return images.reshape(steps, b, *images.shape[1:])
@@ -257,6 +257,5 @@ def trained_steps(cfg: Config, grid: torch.Tensor | None = None) -> list[int]:
     """The steps the update trains: in the SDE window, with a std of at least sde.min_std on `grid`
     (the trainer's, whose shift is the model scheduler's; default the SD3 grid, shift 3)."""
     grid = sde.sd3_time_grid(cfg.sde.steps) if grid is None else grid
-    window = None if cfg.sde.window is None else tuple(cfg.sde.window)
-    trained = sde.trained_steps(cfg.sampler, grid, window, cfg.sde.min_std, **sde_params(cfg))
+    trained = sde.trained_steps(cfg.sampler, grid, cfg.sde.window, cfg.sde.min_std, **sde_params(cfg))
     return trained.nonzero().flatten().tolist()

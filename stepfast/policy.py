@@ -126,10 +126,10 @@ def latent_shape(pipe, batch: int, resolution: int) -> tuple[int, ...]:
     return (batch, pipe.transformer.config.in_channels, resolution // scale, resolution // scale)
 
 
-#: Latents per VAE call of `decode`. Every call decodes exactly this many, so that an image's pixels do
-#: not depend on how many others are decoded with it: oneDNN and cuDNN choose their algorithms by
-#: shape, and on a CPU the tiny VAE rounds a batch of 14 differently from one of 28. A run on two ranks
-#: then decodes every image as a run on one rank does.
+#: Latents per VAE call of `decode` (the trainer's `rollout.decode_batch`). Every call decodes exactly
+#: this many, so that an image's pixels do not depend on how many others are decoded with it: oneDNN
+#: and cuDNN choose their algorithms by shape, and on a CPU the tiny VAE rounds a batch of 14
+#: differently from one of 28. A run on two ranks then decodes every image as a run on one rank does.
 DECODE_BATCH = 16
 
 
@@ -138,6 +138,10 @@ def decode(pipe, latents: torch.Tensor, batch_size: int = DECODE_BATCH) -> torch
     """Latents -> images as float [B, 3, H, W] in [0, 1] (on the CPU), decoded in chunks of exactly
     `batch_size`, the last one padded with copies of its last latent (see DECODE_BATCH)."""
     vae = pipe.vae
+    if batch_size < 1:
+        raise ValueError(f"decode: batch_size must be >= 1, got {batch_size}")
+    if latents.shape[0] == 0:
+        raise ValueError("decode: no latents to decode")
     out = []
     for chunk in latents.split(batch_size):
         n = chunk.shape[0]

@@ -22,6 +22,7 @@ general-purpose ones.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -286,13 +287,15 @@ def degenerate_steps(kind: str, grid: torch.Tensor, threshold: float = DEGENERAT
 
 
 def trained_steps(
-    kind: str, grid: torch.Tensor, window: tuple[int, int] | None = None, min_std: float = DEGENERATE_STD, **params
+    kind: str, grid: torch.Tensor, window: Sequence[int] | None = None, min_std: float = DEGENERATE_STD, **params
 ) -> torch.Tensor:
     """Bool [N]: which steps of `grid` are sampled with `kind` and trained: those in the SDE window
     [a, b) (all steps when None) that are not degenerate (`degenerate_steps` with `min_std`). The
     others are ODE steps."""
     grid = torch.as_tensor(grid, dtype=torch.float32)
     steps = grid.numel() - 1
-    in_window = torch.zeros(steps, dtype=torch.bool)
+    if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1]):
+        raise ValueError(f"the SDE window must be [start, end) with 0 <= start < end, got {window}")
+    in_window = torch.zeros(steps, dtype=torch.bool, device=grid.device)
     in_window[slice(*window) if window is not None else slice(None)] = True
     return in_window & ~degenerate_steps(kind, grid, threshold=min_std, **params)

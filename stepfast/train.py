@@ -251,7 +251,7 @@ class Trainer:
         # clean estimates of the intermediate states are computed
         t0 = self._clock()
         bs = cfg.reward.batch_size
-        pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1]), texts, metas, bs)
+        pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1], cfg.rollout.decode_batch), texts, metas, bs)
         if self.stepwise:
             est = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg)
             steps = est.shape[0]

@@ -104,6 +104,7 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("optim.zero_stage=0", "optim.zero_stage: 0 is not 1, 2 or 3"),
     ("rollout.substeps=0", "rollout.substeps must be >= 1, got 0"),
     ("rollout.micro_batch=0", "rollout.micro_batch must be >= 1, got 0"),
+    ("rollout.decode_batch=0", "rollout.decode_batch must be >= 1, got 0"),
     ("optim.betas=[0.9, 1.0]", "optim.betas must be two numbers in [0, 1)"),
     ("iterations.x=3", "is a value, not a section"),
     ("iterations", "must look like key=value"),
@@ -337,6 +338,22 @@ def test_trained_steps_are_counted_on_the_grid_the_rollout_uses():
                                  noise=torch.zeros(cfg.sde.steps, 1, 2), eta=cfg.sde.eta)  # fmt: skip
         assert grpo.trained_steps(cfg, grid) == traj.trained.nonzero().flatten().tolist()
     assert grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=1.0)) != grpo.trained_steps(cfg)
+
+
+def test_trained_steps_of_a_window_on_any_device():
+    """sde.trained_steps: the steps of the window [start, end) whose std reaches min_std, the mask on
+    the grid's device (a CUDA grid in the rollout; here the meta device stands in for another one);
+    a window that is not [start, end) with 0 <= start < end is refused, not read as Python slices."""
+    grid = sde.sd3_time_grid(10)
+    mask = sde.trained_steps("ddim", grid, [2, 6], min_std=0.05, eta=1.0)
+    assert mask.nonzero().flatten().tolist() == [2, 3, 4, 5]
+    assert torch.equal(sde.trained_steps("ddim", grid, (2, 6), min_std=0.05, eta=1.0), mask)
+    everything = sde.trained_steps("ddim", grid, None, min_std=0.05, eta=1.0)
+    assert everything.nonzero().flatten().tolist() == [j for j in range(10) if j not in (0, 8, 9)]
+    assert sde.trained_steps("ddim", grid.to("meta"), [2, 6], min_std=0.05, eta=1.0).device.type == "meta"
+    for window in ([-2, 3], [3, 3], [5, 2], [1]):
+        with pytest.raises(ValueError, match="SDE window must be"):
+            sde.trained_steps("ddim", grid, window, eta=1.0)
 
 
 def test_ema_with_weights_on_nvme_is_refused_at_start():

@@ -121,3 +121,9 @@ def test_an_image_decodes_alike_however_many_are_decoded_with_it(tmp_path):
     for n in (1, 5, DECODE_BATCH - 2, DECODE_BATCH, DECODE_BATCH + 3):
         assert torch.equal(decode(pipe, latents[:n]), whole[:n]), n
         assert torch.equal(decode(pipe, latents[-n:]), whole[-n:]), n
+    # another batch (rollout.decode_batch) pads to its own size
+    assert torch.equal(decode(pipe, latents[:3], batch_size=5), decode(pipe, latents[:10], batch_size=5)[:3])
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        decode(pipe, latents, batch_size=0)
+    with pytest.raises(ValueError, match="no latents"):
+        decode(pipe, latents[:0])
