@@ -3,8 +3,8 @@ drawing and scoring them (shared out over ranks), the GenEval-style table, the p
 two evaluations, and the sample grid.
 
 Every prompt is sampled once per seed (seed s draws the initial noise of every prompt's s-th
-image, as GenEval does, so results do not depend on the batch size or on how many ranks share
-the work). A category with fewer than `min_images` images gets more seeds for each of its prompts
+image, as GenEval does, so the noise does not depend on the batch size or on how many ranks share
+the work, and the images depend on them only by rounding). A category with fewer than `min_images` images gets more seeds for each of its prompts
 (ShapeEval's test split has one single_object and one two_object prompt: at 4 seeds, one image
 would move the overall by 0.04). Images are drawn by the pipeline's own `__call__`: Euler steps of
 the flow ODE with classifier-free guidance against the empty prompt. The table gives per category
