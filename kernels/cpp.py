@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from stepfast import sde
+
 from .coefficients import SECOND_DERIVATIVE
 
 try:
@@ -31,9 +33,8 @@ except ImportError as exc:  # not built, or built against another torch
 
 
 def _log_prob_shape(x: torch.Tensor, patch_size: int) -> tuple[int, ...]:
-    if patch_size:
-        return (x.shape[0], (x.shape[2] // patch_size) * (x.shape[3] // patch_size))
-    return (x.shape[0],)
+    """The op's log-prob shape: per patch when patch_size (the ops' 0 is none), else per sample."""
+    return sde.log_prob_shape(x, "tokens" if patch_size else "mean", patch_size)
 
 
 if AVAILABLE:

@@ -21,13 +21,6 @@ def _mean(kind: str, x_t: torch.Tensor, v: torch.Tensor, t, s, **params) -> tupl
     return out.mean, out.std
 
 
-def logprob_shape(x: torch.Tensor, reduce: str, patch_size: int | None) -> tuple[int, ...]:
-    """[B] for mean/sum, [B, (H / p) (W / p)] for tokens."""
-    if reduce == "tokens":
-        return (x.shape[0], (x.shape[-2] // patch_size) * (x.shape[-1] // patch_size))
-    return (x.shape[0],)
-
-
 def sde_step_with_logprob(
     kind: str,
     x_t: torch.Tensor,
@@ -44,7 +37,7 @@ def sde_step_with_logprob(
     """`stepfast.sde.step` then `stepfast.sde.log_prob`; an `ode` step has log-prob zeros."""
     out = sde.step(kind, x_t, v, t, s, noise=noise, generator=generator, **params)
     if kind == "ode":
-        return out.sample, torch.zeros(logprob_shape(x_t, reduce, patch_size), device=x_t.device)
+        return out.sample, torch.zeros(sde.log_prob_shape(x_t, reduce, patch_size), device=x_t.device)
     return out.sample, sde.log_prob(out.sample, out.mean, out.std, convention, reduce, patch_size)
 
 

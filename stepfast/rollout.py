@@ -78,7 +78,7 @@ def sample_trajectory(
                                                generator=generator, **params)  # fmt: skip
         else:  # ODE outside the window and where the std is under min_std: an untrained step adds no noise
             sample = sde.step("ode", x, v, t.to(x.device), s.to(x.device)).sample
-            lp = torch.zeros(sde_logprob_shape(x, reduce, patch_size), device=x.device)
+            lp = torch.zeros(sde.log_prob_shape(x, reduce, patch_size), device=x.device)
         x = sample
         states.append(x)
         velocities.append(v)
@@ -90,12 +90,6 @@ def sample_trajectory(
         grid=grid,
         trained=trained,
     )
-
-
-def sde_logprob_shape(x: torch.Tensor, reduce: str, patch_size: int | None) -> tuple[int, ...]:
-    if reduce == "tokens":
-        return (x.shape[0], (x.shape[-2] // patch_size) * (x.shape[-1] // patch_size))
-    return (x.shape[0],)
 
 
 @torch.no_grad()

@@ -187,6 +187,14 @@ def step(
     return StepOutput(sample=mean + std * noise.float(), mean=mean, std=std)
 
 
+def log_prob_shape(x: torch.Tensor, reduce: str, patch_size: int | None) -> tuple[int, ...]:
+    """The shape of a step's log-probability for states x [B, C, H, W]: [B] for `mean` and `sum`,
+    [B, (H / p) (W / p)] for `tokens` (one per DiT patch of side p = patch_size)."""
+    if reduce == "tokens":
+        return (x.shape[0], (x.shape[-2] // patch_size) * (x.shape[-1] // patch_size))
+    return (x.shape[0],)
+
+
 def log_prob(
     sample: torch.Tensor,
     mean: torch.Tensor,
