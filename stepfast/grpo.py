@@ -64,19 +64,18 @@ class Estimator:
         return velocity(self.model, x, t, self.cond, self.cfg_scale)
 
     def _load(self, cond: PromptEmbeddings) -> None:
-        fields = ("embeds", "pooled", "neg_embeds", "neg_pooled")
-        same = self.cond is not None and all(
-            (getattr(cond, f) is None) == (getattr(self.cond, f) is None)
-            and (getattr(cond, f) is None or getattr(cond, f).shape == getattr(self.cond, f).shape)
-            for f in fields
+        new = cond.tensors()
+        held = self.cond.tensors() if self.cond is not None else None
+        same = held is not None and all(
+            (x is None) == (held[k] is None) and (x is None or x.shape == held[k].shape) for k, x in new.items()
         )
-        if not same:
-            self.cond = PromptEmbeddings(*(None if getattr(cond, f) is None else getattr(cond, f).clone() for f in fields))
+        if not same:  # new buffers: the captured graphs read the old ones
+            self.cond = cond.map(torch.clone)
             self.engine.reset()
             return
-        for f in fields:
-            if getattr(cond, f) is not None:
-                getattr(self.cond, f).copy_(getattr(cond, f))
+        for k, x in new.items():
+            if x is not None:
+                held[k].copy_(x)
 
     def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None):
         self._load(cond)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +31,16 @@ class PromptEmbeddings:
     neg_embeds: torch.Tensor | None = None
     neg_pooled: torch.Tensor | None = None
 
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every field by name (None for the unconditional ones without CFG)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def map(self, fn) -> "PromptEmbeddings":
+        """fn applied to every tensor (None stays None)."""
+        return PromptEmbeddings(**{k: None if x is None else fn(x) for k, x in self.tensors().items()})
+
     def select(self, index) -> "PromptEmbeddings":
-        pick = (lambda x: None if x is None else x[index])
-        return PromptEmbeddings(pick(self.embeds), pick(self.pooled), pick(self.neg_embeds), pick(self.neg_pooled))
+        return self.map(lambda x: x[index])
 
 
 def resolve_model_path(path: str) -> str:
