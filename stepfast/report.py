@@ -62,12 +62,25 @@ def reward_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def eval_tag(iteration: int) -> str:
+    """The tag of the evaluation after `iteration` (eval_{tag}.json), between "before" and "after"."""
+    return f"iter{iteration:06d}"
+
+
+def eval_iteration(tag: str, iterations: int) -> int | None:
+    """The iteration an evaluation tag stands for: 0 before training, `iterations` after it; None for
+    a tag the trainer does not write."""
+    if tag in ("before", "after"):
+        return 0 if tag == "before" else iterations
+    digits = tag.removeprefix("iter")
+    return int(digits) if tag.startswith("iter") and digits.isascii() and digits.isdigit() else None
+
+
 def eval_curve(evals: dict, iterations: int, path: Path) -> None:
     plt = _plt()
     xs, strict, score = [], [], []
     for tag, e in evals.items():
-        x = 0 if tag == "before" else iterations if tag == "after" else int(tag.removeprefix("iter"))
-        xs.append(x)
+        xs.append(eval_iteration(tag, iterations))
         strict.append(e["overall"]["strict"])
         score.append(e["overall"]["score"])
     order = np.argsort(xs)
@@ -201,12 +214,11 @@ def read_evals(run_dir: Path) -> dict:
     """{tag: {"overall", "categories"}} of the run's eval_before/iterNNNNNN/after.json, in that order;
     before and after also with their "samples" records when the files hold them."""
     import json
-    import re
 
     found = {}
     for path in run_dir.glob("eval_*.json"):
         tag = path.name[len("eval_"):-len(".json")]
-        if tag not in ("before", "after") and not re.fullmatch(r"iter\d+", tag):
+        if eval_iteration(tag, 0) is None:
             continue  # not written by the trainer
         try:
             result = json.loads(path.read_text())
@@ -219,8 +231,8 @@ def read_evals(run_dir: Path) -> dict:
         if tag in ("before", "after") and _are_samples(result.get("samples")):
             found[tag]["samples"] = result["samples"]  # for the gain's standard error
 
-    def order(tag):
-        return (0, 0) if tag == "before" else (2, 0) if tag == "after" else (1, int(tag[4:]))
+    def order(tag):  # before, the iterations in order, after
+        return (tag == "after", eval_iteration(tag, 0))
 
     return {tag: found[tag] for tag in sorted(found, key=order)}
 

@@ -32,6 +32,7 @@ from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
+from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer
 from stepfast.rewards.geneval_remote import is_tag_column
 from stepfast.rollout import sample_noise
@@ -351,7 +352,7 @@ class Trainer:
             for it in bar:
                 metrics = self.iteration(it)
                 if cfg.eval.every and it % cfg.eval.every == 0 and it != cfg.iterations:
-                    result = self.evaluate(f"iter{it:06d}")
+                    result = self.evaluate(eval_tag(it))
                     metrics["eval/strict"] = result["overall"]["strict"]
                     metrics["eval/score"] = result["overall"]["score"]
                 self.logger.log(it, metrics)
