@@ -98,6 +98,15 @@ def test_custom_rewards_by_import_path_class_factory_and_function(images):
         rewards.load("test_rewards_combine:jpeg_kb_of_nothing")
 
 
+def test_a_reward_registered_by_name_loads_as_the_shipped_ones_do(images, monkeypatch):
+    """rewards.register: a reward defined in the running program, by its class or factory."""
+    monkeypatch.setitem(rewards.REGISTRY, "scratch", None)  # removed again after the test
+    dark = darkness(images, PROMPTS, None)
+    for target in (Darkness, make_darkness, "test_rewards_combine:Darkness"):
+        rewards.register("scratch", target)
+        torch.testing.assert_close(rewards.load("scratch", scale=2.0).score(images, PROMPTS)["score"], 2 * dark)
+
+
 def jpeg_kb_of_nothing():
     return 0.0
 

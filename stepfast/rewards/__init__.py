@@ -26,8 +26,9 @@ class Reward(Protocol):
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]: ...
 
 
-#: name -> "module:attribute" of a class or factory called with the reward's options.
-REGISTRY: dict[str, str] = {
+#: name -> "module:attribute" of a class or factory called with the reward's options (`register` may
+#: also give the class or factory itself, for rewards defined in the running program).
+REGISTRY: dict[str, str | Callable[..., Any]] = {
     "shapes": "stepfast.rewards.shapes:ShapesReward",
     "weighted": "stepfast.rewards.combine:WeightedReward",
     "pickscore": "stepfast.rewards.clip_rewards:PickScoreReward",
