@@ -125,7 +125,7 @@ def step_coefficients(
     """
     if kind not in sde.SAMPLERS:
         raise ValueError(f"unknown sampler {kind!r}: expected one of {', '.join(sde.SAMPLERS)}")
-    p = sde._params(kind, params)  # validates the parameter names exactly as sde.step does
+    p = sde.sampler_params(kind, params)  # validates the parameter names exactly as sde.step does
     t64 = times(t, batch, device, "t").double()
     s64 = times(s, batch, device, "s").double()
     if check:

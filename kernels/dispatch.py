@@ -124,7 +124,7 @@ def _requires_grad(x) -> bool:
 
 def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params) -> torch.Tensor:
     """The per-sample coefficient table (kernels/coefficients.py) on x_t's device."""
-    params = sde._params(kind, params)  # validated as stepfast.sde validates them; floats, hashable
+    params = sde.sampler_params(kind, params)  # validated as stepfast.sde validates them; floats, hashable
     b = x_t.shape[0]
     numel = x_t[0].numel() if b else 0
     reduced = max(x_t.shape[1] * patch_size**2 if reduce == "tokens" else numel, 1)

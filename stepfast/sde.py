@@ -69,7 +69,10 @@ def _as_time(t, x: torch.Tensor, name: str) -> torch.Tensor:
     return t.reshape(-1, *([1] * (x.dim() - 1)))
 
 
-def _params(kind: str, params: dict) -> dict:
+def sampler_params(kind: str, params: dict) -> dict:
+    """The parameters of sampler `kind` as floats, with their defaults: {"noise_level"} for flow_sde
+    and cps (cps's at most 1), {"eta"} for ddim (at most 1), none for ode. A TypeError names a
+    parameter the sampler does not take, a ValueError one out of range."""
     allowed = {"ode": set(), "flow_sde": {"noise_level"}, "cps": {"noise_level"}, "ddim": {"eta"}}[kind]
     unknown = set(params) - allowed
     if unknown:
@@ -109,7 +112,7 @@ def step_std(kind: str, t: torch.Tensor, s: torch.Tensor, **params) -> torch.Ten
     grid in its place, which is the s of the first step: we use 1 - s there.
     """
     _check_kind(kind)
-    p = _params(kind, params)
+    p = sampler_params(kind, params)
     if kind == "ode":
         return torch.zeros_like(t)
     if kind == "flow_sde":
@@ -135,7 +138,7 @@ def kl_sigma(kind: str, t, s, **params) -> torch.Tensor:
     t = torch.as_tensor(t, dtype=torch.float32)
     s = torch.as_tensor(s, dtype=torch.float32, device=t.device)
     if kind == "flow_sde":
-        return flow_sde_sigma(t, s, _params(kind, params)["noise_level"])
+        return flow_sde_sigma(t, s, sampler_params(kind, params)["noise_level"])
     return step_std(kind, t, s, **params)
 
 
@@ -172,7 +175,7 @@ def step(
     if kind == "ode":
         mean = x + (s - t) * v
     elif kind == "flow_sde":
-        sig = flow_sde_sigma(t, s, _params(kind, params)["noise_level"])
+        sig = flow_sde_sigma(t, s, sampler_params(kind, params)["noise_level"])
         mean = x + (s - t) * (v + sig**2 / (2 * t) * (x + (1 - t) * v))
     else:
         x0_hat = x - t * v
