@@ -34,7 +34,7 @@ from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_jso
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer
-from stepfast.rewards.geneval_remote import is_tag_column
+from stepfast.rewards.combine import has_a_mean
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -275,8 +275,7 @@ class Trainer:
         times["time/update"] = self._clock() - t0
 
         # each part's mean over the images; per-category figures are category/<tag> below
-        parts = {f"reward/{k}": float(v.mean()) for k, v in final.items()
-                 if not k.endswith("category") and not is_tag_column(k)}  # fmt: skip
+        parts = {f"reward/{k}": float(v.mean()) for k, v in final.items() if has_a_mean(k)}
         metrics = {"reward": float(global_rewards[:, -1].mean()),
                    "reward_std": float(global_rewards[:, -1].std(correction=0)), **parts, **stats.summary(),
                    "lr": float(self.scheduler.get_last_lr()[0]), **times}  # fmt: skip

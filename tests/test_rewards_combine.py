@@ -256,3 +256,13 @@ def test_model_rewards_run_on_the_policys_device_unless_told_otherwise():
     assert rewards.with_device("shapes", None, "cuda:0") == {}  # takes no device
     assert rewards.with_device(f"{__name__}:darkness", None, "cuda:0") == {}  # a scoring function
     assert rewards.with_device("no_such_reward", {"a": 1}, "cuda:0") == {"a": 1}  # load names the problem
+
+
+def test_the_columns_whose_mean_is_logged():
+    """The trainer logs reward/<key> as a mean over the images only where that mean means something."""
+    from stepfast.rewards.combine import has_a_mean
+
+    for key in ("score", "strict", "shapes", "shapes/strict", "geneval_remote/strict_accuracy", "accuracy"):
+        assert has_a_mean(key), key
+    for key in ("category", "shapes/category", "counting_accuracy", "geneval_remote/position_accuracy"):
+        assert not has_a_mean(key), key

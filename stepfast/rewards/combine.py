@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 import stepfast.rewards as registry
+from stepfast.rewards.geneval_remote import is_tag_column
 
 
 def check_scores(name: str, out, batch: int) -> dict[str, torch.Tensor]:
@@ -49,6 +50,13 @@ def weighted_sum(parts: Mapping[str, Mapping[str, torch.Tensor]], weights: Mappi
             if key != "score":
                 out[f"{name}/{key}"] = value
     return out
+
+
+def has_a_mean(key: str) -> bool:
+    """Whether the mean over a batch of the column `key` of a reward's output (or "<name>/<key>" of
+    a weighted sum) means something: not a category index ("category", the shapes reward's) nor a
+    GenEval per-tag column (-10 for the images of other tags)."""
+    return key.rsplit("/", 1)[-1] != "category" and not is_tag_column(key)
 
 
 class WeightedReward:
