@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,16 @@ def stale_build_locks(root: str | os.PathLike | None = None, now: float | None =
     return stale
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join (or create) the process group; returns (rank, world size, device)."""
+class Placement(NamedTuple):
+    """Where this process runs: its rank, the number of ranks, and its device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed() -> Placement:
+    """Join (or create) the process group; returns this process's placement."""
     import deepspeed
 
     for lock, since in stale_build_locks():
@@ -94,7 +103,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         release_shm_name(rank, world)
         device = torch.device("cpu")
-    return rank, world, device
+    return Placement(rank, world, device)
 
 
 def shm_buffer(rank: int) -> Path:

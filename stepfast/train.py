@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): import the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,6 +50,14 @@ def parse_args(argv=None):
     # intermixed: `train.py iterations=2 --config flow_grpo seed=1` keeps both overrides (plain
     # parse_args stops collecting positionals at the first option and rejects the rest)
     return p.parse_intermixed_args(argv)
+
+
+class EvalSetup(NamedTuple):
+    """What every evaluation of a run draws and scores, read and checked at start."""
+
+    metadata: list[dict]  # the held-out prompts' records, spread over categories up to eval.limit
+    plan: list[tuple[dict, int]]  # (record, seed) of every image, prompt-major
+    reward: object  # eval.reward, with its reward.options
 
 
 class Trainer:
@@ -288,8 +297,8 @@ class Trainer:
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
 
-    def _eval_setup(self) -> tuple[list[dict], list, object]:
-        """(metadata of the evaluated prompts, the (metadata, seed) plan, the eval reward)."""
+    def _eval_setup(self) -> EvalSetup:
+        """The held-out prompts, the images to draw of them, and their reward, checked."""
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
         metas = [r.metadata or {"prompt": r.prompt} for r in records]
@@ -301,7 +310,7 @@ class Trainer:
             raise ConfigError(f"eval.reward: {exc}") from exc
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
-        return metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward
+        return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward)
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
