@@ -6,7 +6,7 @@ Each stage is a function of the policy and the batch; `stepfast/train.py` calls 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -172,14 +172,30 @@ def advantages(global_rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 @dataclass
 class UpdateStats:
-    sums: dict[str, float]
-    count: int
-    first: dict[str, float]  # statistics of the first micro-step (on-policy: ratio exactly 1)
-    grad_norms: list[float]
+    """An iteration's micro-step statistics: a key ending in _min or _max keeps its extreme, any other
+    its total (the summary's mean)."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    first: dict[str, float] = field(default_factory=dict)  # the first micro-step's ratios (on-policy: exactly 1)
+    grad_norms: list[float] = field(default_factory=list)
+
+    def add(self, values: dict[str, float]) -> None:
+        """One micro-step's statistics."""
+        if not self.first:
+            self.first = {k: values[k] for k in ("ratio_mean", "ratio_min", "ratio_max")}
+        for k, val in values.items():
+            if k.endswith("_min"):
+                self.totals[k] = min(self.totals.get(k, val), val)
+            elif k.endswith("_max"):
+                self.totals[k] = max(self.totals.get(k, val), val)
+            else:
+                self.totals[k] = self.totals.get(k, 0.0) + val
+        self.count += 1
 
     def summary(self) -> dict[str, float]:
-        out = {k: v / max(self.count, 1) for k, v in self.sums.items() if not k.endswith(("_min", "_max"))}
-        out.update({k: v for k, v in self.sums.items() if k.endswith(("_min", "_max"))})
+        out = {k: v / max(self.count, 1) for k, v in self.totals.items() if not k.endswith(("_min", "_max"))}
+        out.update({k: v for k, v in self.totals.items() if k.endswith(("_min", "_max"))})
         out.update({f"first_{k}": v for k, v in self.first.items()})
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
@@ -192,7 +208,7 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     params = sde_params(cfg)
     b = traj.states.shape[1]
     device = traj.states.device
-    stats = UpdateStats(sums={}, count=0, first={}, grad_norms=[])
+    stats = UpdateStats()
     steps = traj.trained.nonzero().flatten().tolist()
     for mb in micro_batches(b, cfg.rollout.micro_batch):
         c = cond.select(mb)
@@ -221,17 +237,7 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
                     stats.grad_norms.append(float(norm))
                 if ema is not None:
                     ema.update(engine.module)
-            values = step.stats()
-            if not stats.first:
-                stats.first = {k: values[k] for k in ("ratio_mean", "ratio_min", "ratio_max")}
-            for k, val in values.items():
-                if k.endswith("_min"):
-                    stats.sums[k] = min(stats.sums.get(k, val), val)
-                elif k.endswith("_max"):
-                    stats.sums[k] = max(stats.sums.get(k, val), val)
-                else:
-                    stats.sums[k] = stats.sums.get(k, 0.0) + val
-            stats.count += 1
+            stats.add(step.stats())
     return stats
 
 

@@ -156,7 +156,9 @@ def test_category_rewards_average_each_groups_members_then_the_groups_of_a_tag()
 
 
 def test_update_stats_average_over_micro_steps_and_keep_extremes_and_the_first():
-    stats = grpo.UpdateStats(sums={"loss": 6.0, "ratio_mean": 3.3, "ratio_min": 0.9, "ratio_max": 1.2}, count=3,
-                             first={"ratio_mean": 1.0}, grad_norms=[1.0, 3.0])  # fmt: skip
-    assert stats.summary() == pytest.approx({"loss": 2.0, "ratio_mean": 1.1, "ratio_min": 0.9, "ratio_max": 1.2,
-                                             "first_ratio_mean": 1.0, "grad_norm": 2.0})  # fmt: skip
+    stats = grpo.UpdateStats(grad_norms=[1.0, 3.0])
+    for loss, lo, hi in ((1.0, 1.0, 1.0), (2.0, 0.9, 1.1), (3.0, 0.95, 1.2)):
+        stats.add({"loss": loss, "ratio_mean": (lo + hi) / 2, "ratio_min": lo, "ratio_max": hi})
+    assert stats.summary() == pytest.approx({"loss": 2.0, "ratio_mean": (2.0 + 2.0 + 2.15) / 6, "ratio_min": 0.9,
+                                             "ratio_max": 1.2, "first_ratio_mean": 1.0, "first_ratio_min": 1.0,
+                                             "first_ratio_max": 1.0, "grad_norm": 2.0})  # fmt: skip
