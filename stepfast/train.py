@@ -28,7 +28,8 @@ from stepfast import checkpoint, grpo, heldout, rewards
 from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
-from stepfast.engine import EMA, all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
+from stepfast.ema import EMA
+from stepfast.engine import all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json

@@ -72,7 +72,7 @@ def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
     shadow keeps its fp32 values, which a bf16 model cannot hold (it must not come back rounded)."""
     import torch
 
-    from stepfast.engine import EMA
+    from stepfast.ema import EMA
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
@@ -105,7 +105,7 @@ def test_ema_update_is_the_exponential_average_and_its_state_round_trips():
     refused by name."""
     import torch
 
-    from stepfast.engine import EMA
+    from stepfast.ema import EMA
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).double()

@@ -11,7 +11,8 @@ import deepspeed
 import torch
 
 from stepfast.config import OptimConfig
-from stepfast.engine import EMA, build_engine, init_distributed, trainable_weights
+from stepfast.ema import EMA
+from stepfast.engine import build_engine, init_distributed, trainable_weights
 
 rank, world, device = init_distributed()
 torch.manual_seed(0)
