@@ -394,6 +394,19 @@ def _get_dotted(cfg: Config, dotted: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
+    """A ConfigError naming the first key whose value cannot run, with what it must be."""
+    _check_choices(cfg)
+    _check_numbers(cfg)
+    _check_model_and_rewards(cfg)
+    _check_not_empty(cfg)
+    _check_deepspeed(cfg)
+    # The paths (output_dir, a resume checkpoint) are checked where the run starts
+    # (stepfast.train.check_paths), not here: a config is also read to print or to rebuild a
+    # report, on machines where those paths need not exist.
+
+
+def _check_choices(cfg: Config) -> None:
+    """Keys that name one of a fixed set (sampler, credit, dtypes, ZeRO stage)."""
     choices = {
         "sampler": SAMPLERS,
         "credit": CREDIT_ESTIMATORS,
@@ -408,6 +421,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     if cfg.optim.zero_stage not in (1, 2, 3):
         raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Counts, rates and scales: their signs, finiteness and the samplers' ranges."""
     positive = {
         "iterations": cfg.iterations, "rollout.groups": cfg.rollout.groups,
         "rollout.group_size": cfg.rollout.group_size, "rollout.substeps": cfg.rollout.substeps,
@@ -441,16 +458,27 @@ def validate(cfg: Config) -> None:
     for key, value in finite.items():
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
-    zero = cfg.optim.deepspeed.get("zero_optimization")
-    offload = (zero.get("offload_param") or {}).get("device") if isinstance(zero, dict) else None
-    if cfg.optim.ema > 0 and cfg.optim.zero_stage == 3 and offload == "nvme":
-        raise ConfigError(
-            "optim.ema with ZeRO-3 weights offloaded to NVMe (optim.deepspeed.zero_optimization.offload_param."
-            "device=nvme) is not supported: each rank averages its partitions in memory; offload them to the "
-            "cpu, or set optim.ema=0"
-        )
     if cfg.seed >= 2**63:
         raise ConfigError(f"seed must be below 2**63 (a 64-bit generator seed), got {cfg.seed}")
+    if cfg.sampler == "cps" and cfg.sde.noise_level > 1:
+        raise ConfigError(f"sde.noise_level must be at most 1 with sampler=cps (std = s sin(a pi / 2) peaks at a = 1), "
+                          f"got {cfg.sde.noise_level}")  # fmt: skip
+    if cfg.sde.eta > 1:
+        raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
+    if not cfg.optim.clip_range > 0:
+        raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {cfg.optim.betas}")
+    if cfg.sde.window is not None:
+        w = cfg.sde.window
+        if len(w) != 2 or not 0 <= w[0] < w[1] <= cfg.sde.steps:
+            raise ConfigError(f"sde.window must be [start, end) with 0 <= start < end <= {cfg.sde.steps}, got {w}")
+    if not 0 <= cfg.optim.ema < 1:
+        raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
+
+
+def _check_model_and_rewards(cfg: Config) -> None:
+    """The LoRA adapter's settings, the rewards and their options, and the KL's reference."""
     if cfg.model.lora:
         if cfg.model.lora_rank < 1:
             raise ConfigError(f"model.lora_rank must be >= 1, got {cfg.model.lora_rank}")
@@ -468,19 +496,25 @@ def validate(cfg: Config) -> None:
             f"reward.options.{unused[0]}: {unused[0]!r} is neither a reward in reward.weights nor eval.reward"
             f"{_suggest(unused[0], names, 'reward.options.')}"
         )
+    if cfg.optim.beta > 0 and not cfg.model.lora:
+        raise ConfigError(
+            "optim.beta > 0 (the KL penalty) needs model.lora=true: the reference policy is the model "
+            "with its adapter disabled"
+        )
+
+
+def _check_not_empty(cfg: Config) -> None:
+    """Paths and names that an unset shell variable would leave empty."""
     evaluated = ("eval.prompts", "eval.reward") if cfg.eval.before_after or cfg.eval.every else ()
     for key in ("resume", "model.path", "rollout.prompts", *evaluated):
         if not str(_get_dotted(cfg, key)).strip():
             raise ConfigError(f"{key} is empty (an unset variable?)")
-    if cfg.sampler == "cps" and cfg.sde.noise_level > 1:
-        raise ConfigError(f"sde.noise_level must be at most 1 with sampler=cps (std = s sin(a pi / 2) peaks at a = 1), "
-                          f"got {cfg.sde.noise_level}")  # fmt: skip
-    if cfg.sde.eta > 1:
-        raise ConfigError(f"sde.eta must be at most 1 (std = eta s sqrt(1 - t) must not exceed s), got {cfg.sde.eta}")
     if not str(cfg.output_dir).strip():
         raise ConfigError("output_dir is empty (an unset variable?): give the folder the run writes to")
-    if not cfg.optim.clip_range > 0:
-        raise ConfigError(f"optim.clip_range must be > 0, got {cfg.optim.clip_range}")
+
+
+def _check_deepspeed(cfg: Config) -> None:
+    """optim.deepspeed: no key that another setting owns, and what the EMA cannot follow."""
     for keys, owner in DEEPSPEED_KEYS_OWNED.items():
         section = cfg.optim.deepspeed
         for depth, key in enumerate(keys):
@@ -492,22 +526,14 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"optim.deepspeed.{'.'.join(keys[: depth + 1])} must be a mapping "
                                   f"(it holds {'.'.join(keys[depth + 1:])}), got {section[key]!r}")  # fmt: skip
             section = section[key]
-    if cfg.optim.beta > 0 and not cfg.model.lora:
+    zero = cfg.optim.deepspeed.get("zero_optimization")
+    offload = (zero.get("offload_param") or {}).get("device") if isinstance(zero, dict) else None
+    if cfg.optim.ema > 0 and cfg.optim.zero_stage == 3 and offload == "nvme":
         raise ConfigError(
-            "optim.beta > 0 (the KL penalty) needs model.lora=true: the reference policy is the model "
-            "with its adapter disabled"
+            "optim.ema with ZeRO-3 weights offloaded to NVMe (optim.deepspeed.zero_optimization.offload_param."
+            "device=nvme) is not supported: each rank averages its partitions in memory; offload them to the "
+            "cpu, or set optim.ema=0"
         )
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {cfg.optim.betas}")
-    if cfg.sde.window is not None:
-        w = cfg.sde.window
-        if len(w) != 2 or not 0 <= w[0] < w[1] <= cfg.sde.steps:
-            raise ConfigError(f"sde.window must be [start, end) with 0 <= start < end <= {cfg.sde.steps}, got {w}")
-    if not 0 <= cfg.optim.ema < 1:
-        raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
-    # The paths (output_dir, a resume checkpoint) are checked where the run starts
-    # (stepfast.train.check_paths), not here: a config is also read to print or to rebuild a
-    # report, on machines where those paths need not exist.
 
 
 def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
