@@ -7,7 +7,7 @@ float32 states and samples, bfloat16 velocities), shape (24, 16, 64, 64) and (24
     step             sde_step_with_logprob (flow_sde)        vs Flow-GRPO's sde_step_with_logprob
     logprob_fwd      sde_logprob, no grad                    vs Flow-GRPO's log-prob code
     logprob_fwd_bwd  sde_logprob + backward w.r.t. v         vs the same with autograd
-three callables are timed: `eager` (kernels/reference.py, written the way Flow-GRPO writes it: float32
+three callables are timed: `eager` (tests/flow_grpo_baseline.py, written the way Flow-GRPO writes it: float32
 casts, the mean formula, the log-prob per element then a mean over C, H, W, autograd backward),
 `fused`, and `copy`: dst.copy_(src) moving the op's minimal bytes (every input read once, every large
 output written once), the physical limit. pytest-benchmark records each callable; `test_ratio_table`
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from stepfast.kernels import sde_logprob, sde_step_with_logprob, select_backend
-from stepfast.kernels.reference import flow_grpo_logprob, flow_grpo_step_with_logprob
+from flow_grpo_baseline import flow_grpo_logprob, flow_grpo_step_with_logprob  # tests/, checked there
 from machine import cpu_name, omp_policy  # OMP_WAIT_POLICY=PASSIVE, set by conftest.py before torch loads
 
 SHAPES = [(24, 16, 64, 64), (24, 16, 128, 128)]

@@ -855,3 +855,26 @@ def test_cpp_threads_give_the_same_bits_as_one_thread(reduce, patch):
     wanted = (ref_lp, ref_kl, v64.grad, v_ref64.grad)
     for got, want, what in zip(results[1][2:], wanted, ("log_prob", "kl", "grad_v", "grad_v_ref")):
         assert_matches64(got, want.detach(), what=what)
+
+
+def test_the_benchmarks_flow_grpo_baseline_computes_what_the_kernels_compute():
+    """benchmarks/test_bench_kernels.py times the kernels against Flow-GRPO's eager code
+    (tests/flow_grpo_baseline.py): it must be the same step, log-prob, KL and gradient, or the
+    comparison would time different work. Interior times only (the baseline divides by 1 - t)."""
+    from flow_grpo_baseline import flow_grpo_logprob, flow_grpo_step_with_logprob
+
+    inp = make_inputs("flow_sde", "mean_prime")
+    t = torch.linspace(0.9, 0.5, inp["x_t"].shape[0])
+    inp = {**inp, "t": t, "s": t - 0.15}
+    sample, lp = flow_grpo_step_with_logprob(inp["x_t"], inp["v"], inp["t"], inp["s"], inp["noise"])
+    ref_sample, ref_lp = reference_step64("flow_sde", inp, "gaussian")
+    assert_matches64(sample, ref_sample, what="sample")
+    assert_matches64(lp, ref_lp, what="step log_prob")
+    v = inp["v"].clone().requires_grad_()
+    lp, kl = flow_grpo_logprob(inp["x_t"], v, inp["t"], inp["s"], inp["sample"], inp["v_ref"])
+    ref_lp, ref_kl, v64, _ = reference_logprob64("flow_sde", inp, "gaussian", True)
+    assert_matches64(lp.detach(), ref_lp.detach(), what="log_prob")
+    assert_matches64(kl.detach(), ref_kl.detach(), what="kl")
+    upstream(lp, None).backward()
+    upstream(ref_lp, None).backward()
+    assert_matches64(v.grad, v64.grad, what="grad_v")
