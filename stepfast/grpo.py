@@ -125,21 +125,6 @@ def distinct_rows(states: torch.Tensor, t: torch.Tensor, prompt: torch.Tensor) -
     return keep, position[sets]
 
 
-class InlineScorer:
-    """The AsyncScorer interface, scoring at once in the calling thread."""
-
-    def __init__(self, reward):
-        self.reward = reward
-
-    def submit(self, images, prompts, metadata=None) -> Future:
-        done = Future()
-        done.set_result(self.reward.score(images, prompts, metadata))
-        return done
-
-    def close(self, wait: bool = True) -> None:
-        pass
-
-
 def submit_scores(scorer, images: torch.Tensor, prompts: list[str], metadata: list | None, batch_size: int) -> list[Future]:
     """Queue images [M, 3, H, W] for scoring in chunks of batch_size; `collect_scores` gathers them."""
     pending = []

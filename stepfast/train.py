@@ -35,7 +35,7 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.report import eval_tag
-from stepfast.rewards.async_scoring import AsyncScorer
+from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
@@ -86,7 +86,7 @@ class Trainer:
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
-        self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else grpo.InlineScorer(self.reward)
+        self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)

@@ -7,7 +7,8 @@
 
 One worker thread scores submitted batches in order, so a reward model is only ever used by one
 thread. Tensors and arrays are copied on submit (an async copy on the GPU), so the caller may reuse
-its buffers; a list of PIL images is copied as a list.
+its buffers; a list of PIL images is copied as a list. `InlineScorer` has the same interface and
+scores at once in the calling thread (`reward.async_scoring=false`).
 """
 
 from __future__ import annotations
@@ -46,3 +47,18 @@ class AsyncScorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class InlineScorer:
+    """The AsyncScorer interface, scoring at once in the calling thread."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def submit(self, images, prompts, metadata=None) -> Future:
+        done = Future()
+        done.set_result(self.reward.score(images, prompts, metadata))
+        return done
+
+    def close(self, wait: bool = True) -> None:
+        pass
