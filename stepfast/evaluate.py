@@ -66,7 +66,7 @@ REPORT_FILES = ("results.json", "results.md", "samples.png")
 
 
 def check_out_dir(out: Path, overwrite: bool = False) -> None:
-    """A ValueError naming `out` when `write_report` could not write there: `out` must be a
+    """A ValueError naming `out` when `write_results` could not write there: `out` must be a
     directory or not exist yet (then its nearest existing parent must be a writable directory),
     none of the report files in it may be a directory, and, unless `overwrite`, it must not hold an
     earlier evaluation. Checked before any sampling."""
@@ -79,7 +79,7 @@ def check_out_dir(out: Path, overwrite: bool = False) -> None:
                          "--overwrite to replace it")  # fmt: skip
 
 
-def write_report(result: dict, out: Path, columns: int) -> None:
+def write_results(result: dict, out: Path, columns: int) -> None:
     """results.json, results.md and samples.png into `out`, each written whole then renamed into
     place: an interrupted write leaves the file it replaces."""
     out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )
-    write_report(result, out, columns=args.seeds)
+    write_results(result, out, columns=args.seeds)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'samples.png'}")
     return result
 
