@@ -49,12 +49,17 @@ NUM_COEFS = 8
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def times(t, batch: int, device: torch.device, name: str = "times") -> torch.Tensor:
-    """A time (float, 0-dim or [B] tensor) as float32 [B], exactly as `stepfast.sde` rounds it."""
+def as_time_tensor(t, name: str, **options) -> torch.Tensor:
+    """torch.as_tensor(t, **options), or a ValueError naming the time `name` when t is not numbers."""
     try:
-        t = torch.as_tensor(t, dtype=torch.float32, device=device)
+        return torch.as_tensor(t, **options)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
+
+
+def times(t, batch: int, device: torch.device, name: str = "times") -> torch.Tensor:
+    """A time (float, 0-dim or [B] tensor) as float32 [B], exactly as `stepfast.sde` rounds it."""
+    t = as_time_tensor(t, name, dtype=torch.float32, device=device)
     if t.dim() == 0:
         t = t.expand(batch)
     if t.dim() != 1 or t.shape[0] != batch:
@@ -63,11 +68,8 @@ def times(t, batch: int, device: torch.device, name: str = "times") -> torch.Ten
 
 
 def _host_times(t, name: str) -> torch.Tensor:
-    try:
-        # rounded to float32 first, as every backend computes with them (`times`, stepfast.sde)
-        return torch.as_tensor(t, dtype=torch.float32).cpu().double().reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
+    # rounded to float32 first, as every backend computes with them (`times`, stepfast.sde)
+    return as_time_tensor(t, name, dtype=torch.float32).cpu().double().reshape(-1)
 
 
 def check_times(t, s) -> None:

@@ -22,7 +22,7 @@ import torch
 from stepfast import sde
 
 from . import cpp, reference
-from .coefficients import check_times, step_coefficients
+from .coefficients import as_time_tensor, check_times, step_coefficients
 
 BACKENDS = ("torch", "cpp", "triton")
 ENV_VAR = "STEPFAST_KERNELS"
@@ -147,10 +147,7 @@ def _time_key(t, name: str) -> tuple:
     that every backend checks the same shape)."""
     if isinstance(t, (int, float)):
         return ("float", float(t))
-    try:
-        t = torch.as_tensor(t)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{name} must be a float or a tensor of shape [batch], got {t!r} ({exc})") from None
+    t = as_time_tensor(t, name)
     return ("tensor", t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist()))
 
 
