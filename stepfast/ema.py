@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .engine import gathered
+from .engine import gathered, trainable_parameters
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,10 @@ class EMA:
     def __init__(self, module: torch.nn.Module, decay: float, zero_stage: int):
         self.decay = decay
         self.zero3 = zero_stage == 3
-        params = self._trainable(module)
+        params = trainable_parameters(module)
         self.slices = {n: _zero3_slice(n, p) for n, p in params} if self.zero3 else {}
         with torch.no_grad():
             self.shadow = {n: self._local(n, p).float() for n, p in params}
-
-    @staticmethod
-    def _trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
     def _local(self, name: str, param: torch.nn.Parameter, device=None) -> torch.Tensor:
         """A copy (on `device`, default the weight's) of this rank's part of a weight: the whole
@@ -92,7 +88,7 @@ class EMA:
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
-        for n, p in self._trainable(module):
+        for n, p in trainable_parameters(module):
             if self.zero3:
                 valid = self.slices[n].valid
                 self.shadow[n][:valid].mul_(self.decay).add_(p.ds_tensor[:valid].float(), alpha=1 - self.decay)
@@ -105,7 +101,7 @@ class EMA:
         also on an error, the model gets its own weights back exactly: this rank's part of them waits
         on the CPU in its own dtype, and the shadow is left as it is (swapping it with a bf16 model's
         weights would round the EMA to bf16 at every evaluation). Collective under ZeRO-3."""
-        params = self._trainable(module)
+        params = trainable_parameters(module)
         saved = {}
         with torch.no_grad():
             for n, p in params:

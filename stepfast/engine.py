@@ -167,11 +167,16 @@ def warmup_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig) -> to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every parameter of `module` that is trained (requires grad)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, accumulation: int):
     """(engine, optimizer, lr scheduler) for the trainable parameters of `module`."""
     import deepspeed
 
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for _, p in trainable_parameters(module)]
     if not params:
         raise ValueError("the model has no trainable parameters (check model.lora / model.lora_targets)")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
@@ -212,9 +217,7 @@ def trainable_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[
     from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
+    for name, param in trainable_parameters(module):
         master = safe_get_full_fp32_param(param)  # None where no optimizer holds an fp32 copy
         if master is not None:
             if keep:
