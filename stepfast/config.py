@@ -190,10 +190,79 @@ def to_yaml(cfg) -> str:
     return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False)
 
 
-def _suggest(key: str, options, prefix: str = "") -> str:
-    """'; did you mean <prefix><closest>?' (the full dotted key), or the valid keys of the section."""
+#: Flow-GRPO's names (config/base.py) for settings stepfast names otherwise, by the name's last part:
+#: (Flow-GRPO's key, stepfast's). A researcher coming from it types these first.
+FLOW_GRPO_NAMES = {
+    "learning_rate": ("train.learning_rate", "optim.lr"),
+    "adam_beta1": ("train.adam_beta1", "optim.betas"),
+    "adam_beta2": ("train.adam_beta2", "optim.betas"),
+    "adam_weight_decay": ("train.adam_weight_decay", "optim.weight_decay"),
+    "max_grad_norm": ("train.max_grad_norm", "optim.grad_clip"),
+    "adv_clip_max": ("train.adv_clip_max", "credit_opts.adv_clip"),
+    "timestep_fraction": ("train.timestep_fraction", "sde.window"),
+    "sde_window_range": ("sample.sde_window_range", "sde.window"),
+    "num_steps": ("sample.num_steps", "sde.steps"),
+    "eval_num_steps": ("sample.eval_num_steps", "eval.steps"),
+    "guidance_scale": ("sample.guidance_scale", "rollout.cfg"),
+    "eval_guidance_scale": ("sample.eval_guidance_scale", "eval.cfg"),
+    "num_image_per_prompt": ("sample.num_image_per_prompt", "rollout.group_size"),
+    "num_epochs": ("num_epochs", "iterations"),
+    "resume_from": ("resume_from", "resume"),
+    "logdir": ("logdir", "output_dir"),
+    "save_freq": ("save_freq", "checkpoint_every"),
+    "eval_freq": ("eval_freq", "eval.every"),
+    "num_checkpoint_limit": ("num_checkpoint_limit", "keep_checkpoints"),
+    "mixed_precision": ("mixed_precision", "optim.precision"),
+    "use_lora": ("use_lora", "model.lora"),
+    "pretrained": ("pretrained.model", "model.path"),
+    "dataset": ("dataset", "rollout.prompts"),
+    "prompt_fn": ("prompt_fn", "rollout.prompts"),
+    "reward_fn": ("reward_fn", "reward.weights"),
+}
+
+
+def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every setting of the configuration as its dotted key (`rollout.group_size`)."""
+    cls = Config if cls is None else cls
+    keys = []
+    for name, hint in _type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            keys += _dotted_keys(hint, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _setting_named(leaf: str, typed: str) -> str | None:
+    """'; did you mean ...?' for a setting whose key ends in `leaf` (`group_size` ->
+    `rollout.group_size`) or that Flow-GRPO calls `leaf`, spelt exactly or nearly (`learning_rate`
+    -> `optim.lr`); None when there is none. `typed`: the key as given, never suggested back."""
+    same = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != typed]
+    if same:
+        return "; did you mean " + " or ".join(map(repr, same)) + "?"
+    theirs = difflib.get_close_matches(leaf, list(FLOW_GRPO_NAMES), n=1, cutoff=0.8)
+    if theirs:
+        their_key, ours = FLOW_GRPO_NAMES[theirs[0]]
+        return f"; did you mean {ours!r} (Flow-GRPO's {their_key})?"
+    return None
+
+
+def _suggest(key: str, options, prefix: str = "", rest: list[str] | None = None) -> str:
+    """'; did you mean <prefix><closest>?' (the full dotted key), or the valid keys of the section.
+    With `rest` (`options` are the fields of a section of Config, `rest` the parts of the dotted key
+    typed after `key`), a setting of the name typed in another section (`group_size`, or
+    `sample.noise_level` in Flow-GRPO's sections) or Flow-GRPO's name for a setting comes first,
+    unless a key of this section is spelt nearly alike."""
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
-    return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    if rest is not None:
+        typed = ".".join([prefix + key, *rest])
+        if rest and (found := _setting_named(rest[-1], typed)):  # a section we lack (sample.num_steps)
+            return found
+        found = _setting_named(key, typed)
+        if found and not difflib.get_close_matches(key, list(options), n=1, cutoff=0.8):
+            return found
+    names = ", ".join(sorted(set(options)))
+    return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -249,7 +318,8 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
         if not isinstance(key, str):
             raise ConfigError(f"config key {where!r} is {type(key).__name__}, not text: keys are names of settings")
         if key not in fields:
-            raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields, prefix)}")
+            rest = [next(iter(value))] if isinstance(value, dict) and value else []  # a section given whole
+            raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields, prefix, rest=rest)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, f"{where}.")
@@ -267,7 +337,8 @@ def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) ->
         fields = _fields(type(obj))
         where = ".".join(parts[: i + 1])
         if part not in fields:
-            raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields, where[: -len(part)])}")
+            rest = parts[i + 1 :] or ([next(iter(value))] if isinstance(value, dict) and value else [])
+            raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields, where[: -len(part)], rest=rest)}")
         if i == len(parts) - 1:
             current = getattr(obj, part)
             if dataclasses.is_dataclass(current):
