@@ -309,6 +309,9 @@ class Trainer:
             reward = rewards.load(cfg.eval.reward, **options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"eval.reward: {exc}") from exc
+        except OSError as exc:  # a model reward's files (a directory without the weights, say)
+            raise ConfigError(f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward}): "
+                              f"{' '.join(str(exc).split())}") from exc  # fmt: skip
         check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
         return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward)
@@ -402,7 +405,7 @@ def build_reward(cfg, device: torch.device):
     try:
         options = {name: rewards.with_device(name, cfg.reward.options.get(name), device) for name in cfg.reward.weights}
         return rewards.load_weighted(cfg.reward.weights, options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OSError) as exc:  # OSError: a model reward's files, named with it
         raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
 
 

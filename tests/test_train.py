@@ -512,6 +512,25 @@ def test_bad_reward_name(model_dir, tmp_path, section, options, message):
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
 
 
+@pytest.mark.parametrize("section", ["reward", "eval"])
+def test_a_model_reward_without_its_weights_is_named(model_dir, tmp_path, section):
+    """A reward's path that exists but holds no model (transformers raises a bare OSError): an error
+    that names the setting and the reward, at start, not a traceback."""
+    empty = tmp_path / "clip"
+    empty.mkdir()
+    options = {"options": {"clipscore": {"path": str(empty)}}}
+    if section == "reward":
+        cfg = base_config(model_dir, tmp_path / "run", reward={"weights": {"clipscore": 1.0}, **options})
+        where = "reward.weights / reward.options: reward 'clipscore' cannot load its files:"
+    else:
+        cfg = base_config(model_dir, tmp_path / "run", reward=options, eval={"reward": "clipscore", "every": 2})
+        where = "eval.reward=clipscore (reward.options.clipscore):"
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert where in proc.stderr and str(empty) in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_wandb_without_the_package_is_a_clear_error(model_dir, tmp_path):
     cfg = base_config(model_dir, tmp_path / "run", log={"wandb": True})

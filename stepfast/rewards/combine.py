@@ -59,6 +59,17 @@ def has_a_mean(key: str) -> bool:
     return key.rsplit("/", 1)[-1] != "category" and not is_tag_column(key)
 
 
+def _load_part(name: str, options: Mapping) -> object:
+    """Reward `name` built with `options`; a model's files that fail to load (a directory without
+    the weights, say) raise an OSError that names the reward, as a missing path already does."""
+    try:
+        return registry.load(name, **options)
+    except OSError as exc:
+        if str(exc).startswith(f"reward {name!r}"):
+            raise
+        raise OSError(f"reward {name!r} cannot load its files: {' '.join(str(exc).split())}") from exc
+
+
 class WeightedReward:
     """Several rewards scored on the same batch and summed with fixed weights."""
 
@@ -73,7 +84,7 @@ class WeightedReward:
             if not isinstance(weight, (int, float)) or isinstance(weight, bool):
                 raise ValueError(f"weight of reward {name!r} must be a number, got {weight!r}")
         self.weights = {name: float(w) for name, w in weights.items()}
-        self.rewards = {name: registry.load(name, **options.get(name, {})) for name in weights}
+        self.rewards = {name: _load_part(name, options.get(name, {})) for name in weights}
 
     def check(self, prompts, metadata=None) -> None:
         """Before any image is drawn: each part that can check its prompts does (ValueError naming
