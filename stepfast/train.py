@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from stepfast import checkpoint, grpo, heldout, rewards
 from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
-from stepfast.data.prompts import load_prompts
+from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
 from stepfast.engine import all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
@@ -35,6 +35,7 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
 from stepfast.report import eval_tag
+from stepfast.rewards import PromptError
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
 from stepfast.rollout import sample_noise
@@ -80,8 +81,7 @@ class Trainer:
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         self.reward = build_reward(cfg, device)
-        check_prompts(self.reward, [(r.prompt, r.metadata) for r in self.prompts],
-                      f"rollout.prompts={cfg.rollout.prompts}")  # fmt: skip
+        check_prompts(self.reward, self.prompts, "rollout.prompts", cfg.rollout.prompts)
         check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
@@ -170,11 +170,12 @@ class Trainer:
         """The category of each prompt when rollout.balance_categories is on."""
         if not self.cfg.rollout.balance_categories:
             return None
-        for line, record in enumerate(self.prompts, 1):
+        for record in self.prompts:
             if not (record.metadata or {}).get("tag"):
                 raise ConfigError(
                     f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
-                    f"*_metadata.jsonl); prompt {line} of {self.cfg.rollout.prompts} ({record.prompt!r}) has none"
+                    f"*_metadata.jsonl); line {record.line} of {resolve_prompt_file(self.cfg.rollout.prompts)} "
+                    f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
                 )
         return [record.metadata["tag"] for record in self.prompts]
 
@@ -303,6 +304,7 @@ class Trainer:
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
         metas = [r.metadata or {"prompt": r.prompt} for r in records]
+        line_of = {id(meta): record.line for meta, record in zip(metas, records)}
         metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
         try:  # with the options reward.options gives it, as a train reward has
             options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device)
@@ -312,7 +314,8 @@ class Trainer:
         except OSError as exc:  # a model reward's files (a directory without the weights, say)
             raise ConfigError(f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward}): "
                               f"{' '.join(str(exc).split())}") from exc  # fmt: skip
-        check_prompts(reward, [(m["prompt"], m) for m in metas], f"eval.prompts={cfg.eval.prompts}")
+        check_prompts(reward, [PromptRecord(m["prompt"], m, line_of[id(m)]) for m in metas], "eval.prompts",
+                      cfg.eval.prompts)  # fmt: skip
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
         return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward)
 
@@ -409,14 +412,20 @@ def build_reward(cfg, device: torch.device):
         raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
 
 
-def check_prompts(reward, prompts: list[tuple[str, dict | None]], source: str) -> None:
-    """A ConfigError naming `source` and the prompt when `reward` (if it can check prompts) could not
-    score one of them: found at start, not after the first images are drawn."""
-    if hasattr(reward, "check"):
-        try:
-            reward.check([p for p, _ in prompts], [m for _, m in prompts])
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+def check_prompts(reward, records: list[PromptRecord], setting: str, source: str) -> None:
+    """A ConfigError naming the file and line of a prompt that `reward` (if it can check prompts)
+    could not score: found at start, not after the first images are drawn. `setting`: the key that
+    names the prompt file, `source` its value."""
+    if not hasattr(reward, "check"):
+        return
+    try:
+        reward.check([r.prompt for r in records], [r.metadata for r in records])
+    except PromptError as exc:
+        line = records[exc.index].line if 0 <= exc.index < len(records) else None
+        where = f"{resolve_prompt_file(source)}:{line}" if line else f"{source}, prompt {exc.index + 1}"
+        raise ConfigError(f"{setting}: {where}: {exc.by()}{exc.reason}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{setting}={source}: {exc}") from None
 
 
 def check_servers(by_setting: dict[str, object], world: int = 1) -> None:

@@ -13,6 +13,7 @@ def test_txt_one_prompt_per_line_blank_lines_skipped(tmp_path):
     path.write_text("a photo of a cat\n\n   \n  a red square  \nthird\n")
     assert load_prompts(path) == [PromptRecord("a photo of a cat"), PromptRecord("a red square"), PromptRecord("third")]
     assert load_prompts(str(path))[0].metadata is None
+    assert [r.line for r in load_prompts(path)] == [1, 4, 5]  # each prompt's line, for errors
 
 
 def test_jsonl_keeps_each_line_as_metadata(tmp_path):
@@ -26,6 +27,7 @@ def test_jsonl_keeps_each_line_as_metadata(tmp_path):
     loaded = load_prompts(path)
     assert [r.prompt for r in loaded] == ["a photo of two clocks", "a photo of a bench"]
     assert [r.metadata for r in loaded] == records
+    assert [r.line for r in loaded] == [1, 3]
 
 
 @pytest.mark.parametrize("split", ["train", "test"])

@@ -266,3 +266,14 @@ def test_the_columns_whose_mean_is_logged():
         assert has_a_mean(key), key
     for key in ("category", "shapes/category", "counting_accuracy", "geneval_remote/position_accuracy"):
         assert not has_a_mean(key), key
+
+
+def test_a_prompt_refused_by_a_part_keeps_its_index_and_names_the_part():
+    """The trainer turns the index into the prompt file's line: the weighted reward passes it on."""
+    from stepfast.rewards import PromptError, load_weighted
+
+    reward = load_weighted({"shapes": 1.0})
+    with pytest.raises(PromptError) as err:
+        reward.check(["a photo of a circle", "a photo of a square", "a red circle"])
+    assert (err.value.index, err.value.reward) == (2, "shapes")
+    assert str(err.value) == f"reward 'shapes': prompt 3: {err.value.reason}" and "'a red circle'" in err.value.reason

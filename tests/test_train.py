@@ -484,7 +484,7 @@ def test_missing_model_directory(tmp_path):
     ("", "holds no prompts"),
     ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', ":2: malformed JSON"),
     ('{"prompt": "a photo of a dog", "tag": "single_object", "include": [{"class": "dog", "count": 1}]}\n',
-     "prompt 1: the record of prompt 'a photo of a dog': include[0] asks for class 'dog'"),
+     ("prompts_metadata.jsonl:1: ", "the record of prompt 'a photo of a dog': include[0] asks for class 'dog'")),
 ])  # fmt: skip
 def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
     """Train or eval prompts: the error comes at start, before any iteration or checkpoint."""
@@ -495,8 +495,23 @@ def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
     cfg = base_config(model_dir, tmp_path / "run", **{section: options}, **scored)
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
     assert proc.returncode == 2
-    assert str(prompts) in proc.stderr and message in proc.stderr
+    assert str(prompts) in proc.stderr and all(m in proc.stderr for m in (message if isinstance(message, tuple)
+                                                                          else (message,)))  # fmt: skip
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("section", ["rollout", "eval"])
+def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(model_dir, tmp_path, section):
+    """Blank lines are skipped when a .txt file is read, so the prompt's line is not its count."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n\na photo of a circle\na red circle\n")  # the last is not a ShapeEval prompt
+    options = {"prompts": str(prompts), **({"every": 2} if section == "eval" else {})}
+    scored = {"reward": {"weights": {"shapes": 1.0}}} if section == "rollout" else {}
+    cfg = base_config(model_dir, tmp_path / "run", **{section: options}, **scored)
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    by = "reward 'shapes': " if section == "rollout" else ""  # the train reward is a weighted one
+    assert f"stepfast: error: {section}.prompts: {prompts}:4: {by}'a red circle'" in proc.stderr
 
 
 @pytest.mark.parametrize("section, options, message", [
@@ -675,11 +690,11 @@ def test_settings_that_cannot_run_are_named_at_start(model_dir, tmp_path, overri
 
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     prompts = tmp_path / "prompts_metadata.jsonl"
-    prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n{"prompt": "a photo of a square"}\n')
+    prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n\n{"prompt": "a photo of a square"}\n')
     cfg = base_config(model_dir, tmp_path / "run", rollout={"prompts": str(prompts), "balance_categories": True})
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
     assert proc.returncode == 2
-    assert f"prompt 2 of {prompts} ('a photo of a square') has none" in proc.stderr
+    assert f"line 3 of {prompts} ('a photo of a square') has none" in proc.stderr  # its line, not its count
 
 
 def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp_path):

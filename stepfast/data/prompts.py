@@ -12,7 +12,7 @@ Bad input raises an error that names the file, the line and what is wrong.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepfast.data.shapeeval import TEST_METADATA, TRAIN_METADATA
@@ -27,6 +27,7 @@ class PromptRecord:
 
     prompt: str
     metadata: dict | None = None
+    line: int | None = field(default=None, compare=False)  # its line in the file (from 1), for errors
 
 
 def resolve_prompt_file(path_or_name: str | Path) -> Path:
@@ -49,7 +50,7 @@ def numbered_lines(path: Path):
 
 
 def _read_txt(path: Path) -> list[PromptRecord]:
-    return [PromptRecord(text.strip()) for _, text in numbered_lines(path) if text.strip()]
+    return [PromptRecord(text.strip(), line=n) for n, text in numbered_lines(path) if text.strip()]
 
 
 def _read_jsonl(path: Path) -> list[PromptRecord]:
@@ -67,7 +68,7 @@ def _read_jsonl(path: Path) -> list[PromptRecord]:
             raise ValueError(f"{path}:{number}: line lacks 'prompt' (keys: {', '.join(item) or 'none'})")
         if not isinstance(item["prompt"], str) or not item["prompt"].strip():
             raise ValueError(f"{path}:{number}: 'prompt' must be a non-empty string, got {item['prompt']!r}")
-        records.append(PromptRecord(item["prompt"], item))
+        records.append(PromptRecord(item["prompt"], item, line=number))
     return records
 
 

@@ -26,6 +26,20 @@ class Reward(Protocol):
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]: ...
 
 
+class PromptError(ValueError):
+    """A prompt that a reward cannot score, raised by its `check(prompts, metadata)` before any image
+    is drawn: `index` (from 0) in the prompts checked, `reason` what is wrong, `reward` the part of a
+    weighted reward that refused it. A caller that knows where the prompts came from names the file
+    and line instead of the index."""
+
+    def __init__(self, index: int, reason: str, reward: str | None = None):
+        self.index, self.reason, self.reward = index, reason, reward
+        super().__init__(f"{self.by()}prompt {index + 1}: {reason}")
+
+    def by(self) -> str:
+        return f"reward {self.reward!r}: " if self.reward else ""
+
+
 #: name -> "module:attribute" of a class or factory called with the reward's options (`register` may
 #: also give the class or factory itself, for rewards defined in the running program).
 REGISTRY: dict[str, str | Callable[..., Any]] = {

@@ -93,6 +93,8 @@ class WeightedReward:
             if hasattr(reward, "check"):
                 try:
                     reward.check(prompts, metadata)
+                except registry.PromptError as exc:
+                    raise registry.PromptError(exc.index, exc.reason, reward=name) from None
                 except ValueError as exc:
                     raise ValueError(f"reward {name!r}: {exc}") from None
 

@@ -57,6 +57,7 @@ from scipy import ndimage
 from stepfast.data.shapeeval import (
     CATEGORIES, COLORS, POSITION_THRESHOLD, RELATIONS, SHAPES, parse_prompt, relative_position,
 )
+from stepfast.rewards import PromptError
 from stepfast.rewards.images import to_uint8
 
 UNKNOWN = "unknown"
@@ -236,7 +237,7 @@ class ShapesReward:
             try:
                 self.record(prompt, None if metadata is None else metadata[i])
             except ValueError as exc:
-                raise ValueError(f"prompt {i + 1}: {exc}") from None
+                raise PromptError(i, str(exc)) from None
 
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         """Per image: "score" (partial credit in [0, 1]), "strict" (0/1), "category" (index).
