@@ -39,6 +39,25 @@ STALE_LOCK_SECONDS = 300
 SHM_DIR = Path("/dev/shm")
 
 
+def _extensions_root(root: str | os.PathLike | None) -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
+    """Whether DeepSpeed's shared-memory op is built from `source` (its install's `ops/csrc`): the
+    library is there and its build file names that source. Another install (another venv, or the same
+    one reached through another path) rebuilds it, for about a minute on 2 cores, before the process
+    group starts and so before the trainer's start-up checks."""
+    try:
+        builds = [*_extensions_root(root).glob(f"{SHM_OP}/build.ninja"),
+                  *_extensions_root(root).glob(f"*/{SHM_OP}/build.ninja")]  # fmt: skip
+        return any((b.parent / f"{SHM_OP}.so").is_file() and os.fspath(source) in b.read_text() for b in builds)
+    except OSError:
+        return False
+
+
 def stale_build_locks(root: str | os.PathLike | None = None, now: float | None = None) -> list[tuple[Path, float]]:
     """(lock file, its time) of each build of DeepSpeed's shared-memory op locked for over STALE_LOCK_SECONDS.
 
@@ -48,9 +67,7 @@ def stale_build_locks(root: str | os.PathLike | None = None, now: float | None =
     A start killed while it holds the lock leaves the file, and every later start waits for it forever
     without a word.
     """
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    root = _extensions_root(root)
     now = time.time() if now is None else now
     try:
         locks = sorted([*root.glob(f"{SHM_OP}/lock"), *root.glob(f"*/{SHM_OP}/lock")])
@@ -84,6 +101,10 @@ def init_distributed() -> Placement:
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(since))}, and DeepSpeed waits for the lock "
               f"without end. If no other process is building it, a killed start left the lock: delete "
               f"{lock}", file=sys.stderr, flush=True)  # fmt: skip
+    source = Path(deepspeed.__file__).parent / "ops" / "csrc"
+    if not torch.cuda.is_available() and os.environ.get("RANK", "0") == "0" and not shm_op_built(source):
+        print(f"stepfast: DeepSpeed builds its CPU all-reduce op ({SHM_OP}) for this environment before the "
+              "run starts: about a minute, once", file=sys.stderr, flush=True)  # fmt: skip
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

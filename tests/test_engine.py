@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, stale_build_locks
+from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, shm_op_built, stale_build_locks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,31 +40,63 @@ def test_only_an_old_lock_of_the_shm_op_is_stale(tmp_path):
     assert stale_build_locks(tmp_path / "c") == [(direct, direct.stat().st_mtime)]
 
 
-def test_the_trainer_names_a_stale_lock_before_deepspeed_waits_on_it(tmp_path):
-    """DeepSpeed waits on the lock without end: the warning is the only line the user gets."""
-    path = lock(tmp_path / "ext", SHM_OP, age=2 * STALE_LOCK_SECONDS, folder="")  # where torch looks
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1",
+def test_the_shm_op_counts_as_built_only_from_this_install(tmp_path):
+    """The trainer says a build is coming (a silent minute otherwise) unless the library is there and
+    was built from this DeepSpeed install's sources."""
+    ours, theirs = "/venv/a/deepspeed/ops/csrc", "/venv/b/deepspeed/ops/csrc"
+    assert not shm_op_built(ours, tmp_path / "none")
+    for folder in ("py311_cpu", ""):  # the default root's layout, and $TORCH_EXTENSIONS_DIR's
+        root = tmp_path / (folder or "direct")
+        op = root / folder / SHM_OP
+        op.mkdir(parents=True)
+        (op / "build.ninja").write_text(f"cflags = -I{ours}/cpu/includes -fPIC\n")
+        assert not shm_op_built(ours, root)  # a build begun, never finished
+        (op / f"{SHM_OP}.so").write_bytes(b"\x7fELF")
+        assert shm_op_built(ours, root)
+        assert not shm_op_built(theirs, root)  # another venv's build: rebuilt for this one
+
+
+def first_line_with(marker: str, extensions: Path, out: Path) -> str | None:
+    """The first stderr line holding `marker` of a one-rank trainer start with torch's extensions under
+    `extensions`, which is killed then (or after 240 s): a build of DeepSpeed's op is not waited for."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), f"output_dir={tmp_path / 'run'}", "iterations=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen: list[str] = []  # read in a thread: without the warning the process hangs with nothing to read
+    cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), f"output_dir={out}", "iterations=1"]
+    # its own session, so that the compilers of a build it starts (ninja gives each command a process
+    # group of its own) are killed with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    seen: list[str] = []  # read in a thread: a start waiting on the lock has nothing to read
     reader = threading.Thread(target=lambda: seen.extend(proc.stderr), daemon=True)
     reader.start()
     try:
         deadline = time.time() + 240
-        while not any("stepfast: warning" in line for line in seen) and time.time() < deadline:
+        while not any(marker in line for line in seen) and time.time() < deadline:
             if proc.poll() is not None:
                 break
             time.sleep(0.2)
     finally:
-        proc.kill()
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
         proc.wait()
         reader.join(timeout=10)
-    warning = next((line for line in seen if "stepfast: warning" in line), None)
-    assert warning is not None, "".join(seen)[-3000:]
+    found = next((line for line in seen if marker in line), None)
+    assert found is not None, "".join(seen)[-3000:]
+    return found
+
+
+def test_the_trainer_names_a_stale_lock_before_deepspeed_waits_on_it(tmp_path):
+    """DeepSpeed waits on the lock without end: the warning is the only line the user gets."""
+    path = lock(tmp_path / "ext", SHM_OP, age=2 * STALE_LOCK_SECONDS, folder="")  # where torch looks
+    warning = first_line_with("stepfast: warning", tmp_path / "ext", tmp_path / "run")
     assert f"DeepSpeed's {SHM_OP} op has been locked for building since" in warning
     assert f"delete {path}" in warning
     assert not (tmp_path / "run").exists()  # stopped before anything was written
+
+
+def test_the_trainer_says_a_build_of_deepspeeds_op_is_coming(tmp_path):
+    """Where the op is not built for this install, the start says so before the silent minute."""
+    line = first_line_with(f"({SHM_OP})", tmp_path / "empty", tmp_path / "run")
+    assert "DeepSpeed builds its CPU all-reduce op" in line and "about a minute, once" in line
 
 
 def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
