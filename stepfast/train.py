@@ -145,11 +145,14 @@ class Trainer:
                 f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "
                 f"sde.min_std={cfg.sde.min_std} trains no step (every step is an ODE step or has a smaller std)"
             )
-        calls = len(steps) * len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
+        micro = len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
+        calls = len(steps) * micro
         if calls % cfg.optim.updates_per_iteration:
             raise ConfigError(
-                f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the "
-                f"{calls} backward passes of an iteration ({len(steps)} steps x micro-batches)"
+                f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the {calls} backward "
+                f"passes of an iteration: {len(steps)} trained steps x {micro} micro-batch(es) of "
+                f"rollout.micro_batch={cfg.rollout.micro_batch} from this rank's {self.sampler.per_rank} samples; "
+                "change one of them"
             )
         return calls
 
