@@ -456,9 +456,18 @@ def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
         raise ConfigError(error)
 
 
-def check_paths(cfg) -> None:
-    """A ConfigError naming output_dir when the run could not write there, or resume when its
-    checkpoint is not there."""
+def check_before_start(cfg) -> None:
+    """A ConfigError naming output_dir when the run could not write there, resume when its checkpoint
+    is not there, or the setting that names a reward that does not exist (reward.weights,
+    eval.reward)."""
+    named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
+    if cfg.eval.before_after or cfg.eval.every:
+        named["eval.reward"] = cfg.eval.reward
+    for key, name in named.items():
+        try:
+            rewards.check_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
     try:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
@@ -482,8 +491,8 @@ def main(argv=None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    try:  # on every rank, before the model loads, rather than at the first file written
-        check_paths(cfg)
+    try:  # on every rank, before the process group (and a build of its op) and the model
+        check_before_start(cfg)
     except ConfigError as exc:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2

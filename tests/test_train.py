@@ -515,16 +515,23 @@ def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("section, options, message", [
-    ("reward", {"weights": {"shapez": 1.0}}, "unknown reward 'shapez'"),
+    ("reward", {"weights": {"shapez": 1.0}}, "reward.weights.shapez: unknown reward 'shapez' (did you mean 'shapes'?)"),
+    ("eval", {"reward": "pickscor", "every": 2}, "eval.reward: unknown reward 'pickscor' (did you mean 'pickscore'?)"),
     ("eval", {"reward": "no_such_module:score", "every": 2}, "cannot import reward module 'no_such_module'"),
 ])  # fmt: skip
 def test_bad_reward_name(model_dir, tmp_path, section, options, message):
-    """Train or eval reward: the error names it, at start, before any iteration or checkpoint."""
+    """Train or eval reward: the error names it, at start, before any iteration or checkpoint; a name
+    not registered before the process group starts (and a build of DeepSpeed's op with it)."""
     cfg = base_config(model_dir, tmp_path / "run", **{section: options})
-    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    registered = "did you mean" in message  # an import path is only tried where the reward loads
+    # where no op is built, a start that reached the process group would announce a build
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "no_ops_built")} if registered else None
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False, extra_env=env)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+    if registered:
+        assert "DeepSpeed builds" not in proc.stderr and not (tmp_path / "no_ops_built").exists()
 
 
 @pytest.mark.parametrize("section", ["reward", "eval"])

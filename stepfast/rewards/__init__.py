@@ -15,6 +15,7 @@ names a reward class, a factory, or a plain function `fn(images, prompts, metada
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from typing import Any, Callable, Protocol
@@ -124,17 +125,22 @@ def _check_options(name: str, build, options: dict) -> None:
         raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
 
 
+def check_name(name: str) -> None:
+    """A ValueError for a name that is neither registered nor an import path "module:attr", with the
+    registered name it is closest to: cheap, so callers check before anything slow starts."""
+    if name in REGISTRY or ":" in name:
+        return
+    close = difflib.get_close_matches(name, list(REGISTRY), n=1, cutoff=0.6)
+    raise ValueError(
+        f"unknown reward {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}: registered rewards are "
+        f"{', '.join(sorted(REGISTRY))}; a custom reward is given as 'package.module:attribute'"
+    )
+
+
 def load(name: str, **options) -> Reward:
     """The reward registered as `name` (or at import path "module:attr"), built with `options`."""
-    if name in REGISTRY:
-        target = REGISTRY[name]
-    elif ":" in name:
-        target = name
-    else:
-        raise ValueError(
-            f"unknown reward {name!r}: registered rewards are {', '.join(sorted(REGISTRY))}; "
-            "a custom reward is given as 'package.module:attribute'"
-        )
+    check_name(name)
+    target = REGISTRY.get(name, name)
     obj = _import(target) if isinstance(target, str) else target
     # a factory: a function that cannot score (`make()`, `make(device="cpu")`, `make(path)`); it is
     # called even without options, whose fit is checked first (a missing one named, not a TypeError)
