@@ -33,7 +33,10 @@ from stepfast.engine import all_gather_cat, build_engine, init_distributed, redu
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
-from stepfast.policy import decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer
+from stepfast.models import check_pipeline_dir
+from stepfast.policy import (
+    decode, encode_prompts, latent_shape, load_policy_pipeline, resolve_model_path, save_lora, save_transformer,
+)
 from stepfast.report import eval_tag
 from stepfast.rewards import PromptError
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
@@ -457,9 +460,23 @@ def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
 
 
 def check_before_start(cfg) -> None:
-    """A ConfigError naming output_dir when the run could not write there, resume when its checkpoint
-    is not there, or the setting that names a reward that does not exist (reward.weights,
-    eval.reward)."""
+    """What can be checked from the files alone, before the process group (and a first start's build
+    of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
+    there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, a
+    prompt file that cannot be read (its line), or the setting that names a reward that does not exist
+    (reward.weights, eval.reward)."""
+    try:
+        check_pipeline_dir(resolve_model_path(cfg.model.path))
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        raise ConfigError(f"model.path: {exc}") from None
+    prompt_files = {"rollout.prompts": cfg.rollout.prompts}
+    if cfg.eval.before_after or cfg.eval.every:
+        prompt_files["eval.prompts"] = cfg.eval.prompts
+    for key, source in prompt_files.items():
+        try:
+            load_prompts(source)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
     named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
     if cfg.eval.before_after or cfg.eval.every:
         named["eval.reward"] = cfg.eval.reward

@@ -473,10 +473,12 @@ def test_unknown_config_key_suggests_the_closest(model_dir, tmp_path):
 
 
 def test_missing_model_directory(tmp_path):
+    """Named from the files alone, before the process group starts (and a build of DeepSpeed's op)."""
     config = write_config(tmp_path / "cfg.yaml", base_config(tmp_path / "nowhere", tmp_path / "run"))
-    proc = train(config, check=False)
+    proc = train(config, check=False, extra_env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "no_ops_built")})
     assert proc.returncode == 2
-    assert f"pipeline directory {tmp_path / 'nowhere'} does not exist" in proc.stderr
+    assert f"model.path: pipeline directory {tmp_path / 'nowhere'} does not exist" in proc.stderr
+    assert "DeepSpeed builds" not in proc.stderr and not (tmp_path / "no_ops_built").exists()
 
 
 @pytest.mark.parametrize("section", ["rollout", "eval"])
