@@ -122,6 +122,11 @@ class EvalConfig:
     limit: int = 0  # prompts evaluated (0 = all)
     batch_size: int = 64
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates at all (and so reads eval.prompts and eval.reward)."""
+        return self.before_after or self.every > 0
+
 
 @dataclass
 class LogConfig:
@@ -206,6 +211,8 @@ FLOW_GRPO_NAMES = {
     "guidance_scale": ("sample.guidance_scale", "rollout.cfg"),
     "eval_guidance_scale": ("sample.eval_guidance_scale", "eval.cfg"),
     "num_image_per_prompt": ("sample.num_image_per_prompt", "rollout.group_size"),
+    "batch_size": ("train.batch_size", "rollout.micro_batch"),
+    "train_batch_size": ("sample.train_batch_size", "rollout.micro_batch"),
     "num_epochs": ("num_epochs", "iterations"),
     "resume_from": ("resume_from", "resume"),
     "logdir": ("logdir", "output_dir"),
@@ -233,36 +240,48 @@ def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
     return keys
 
 
-def _setting_named(leaf: str, typed: str) -> str | None:
-    """'; did you mean ...?' for a setting whose key ends in `leaf` (`group_size` ->
-    `rollout.group_size`) or that Flow-GRPO calls `leaf`, spelt exactly or nearly (`learning_rate`
-    -> `optim.lr`); None when there is none. `typed`: the key as given, never suggested back."""
-    same = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != typed]
-    if same:
-        return "; did you mean " + " or ".join(map(repr, same)) + "?"
-    theirs = difflib.get_close_matches(leaf, list(FLOW_GRPO_NAMES), n=1, cutoff=0.8)
-    if theirs:
-        their_key, ours = FLOW_GRPO_NAMES[theirs[0]]
-        return f"; did you mean {ours!r} (Flow-GRPO's {their_key})?"
-    return None
+def _settings_named(leaf: str, typed: str, section: str = "") -> list[str]:
+    """The settings a key ending in `leaf` may mean, as a suggestion writes them: Flow-GRPO's name
+    for one (in `section` "eval" its `eval_` names, `eval.num_steps` -> `eval.steps`), then every
+    setting whose key ends in `leaf` (`group_size` -> `rollout.group_size`); failing both, the
+    Flow-GRPO name `leaf` is nearly spelt as. `typed`: the key as given, never suggested back."""
+    theirs = next((n for n in (f"eval_{leaf}" if section == "eval" else leaf, leaf) if n in FLOW_GRPO_NAMES), None)
+    if theirs is None:
+        theirs = next(iter(difflib.get_close_matches(leaf, list(FLOW_GRPO_NAMES), n=1, cutoff=0.8)), None)
+        if theirs is not None and any(k.rsplit(".", 1)[-1] == leaf for k in _dotted_keys()):
+            theirs = None  # a name of ours, typed in the wrong place
+    found = [f"{FLOW_GRPO_NAMES[theirs][1]!r} (Flow-GRPO's {FLOW_GRPO_NAMES[theirs][0]})"] if theirs else []
+    if section != "eval" or not found:
+        found += [repr(k) for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != typed]
+    return found
 
 
 def _suggest(key: str, options, prefix: str = "", rest: list[str] | None = None) -> str:
     """'; did you mean <prefix><closest>?' (the full dotted key), or the valid keys of the section.
     With `rest` (`options` are the fields of a section of Config, `rest` the parts of the dotted key
-    typed after `key`), a setting of the name typed in another section (`group_size`, or
-    `sample.noise_level` in Flow-GRPO's sections) or Flow-GRPO's name for a setting comes first,
-    unless a key of this section is spelt nearly alike."""
+    typed after `key`), the setting meant comes first: a misspelt section's (`evl.steps`), one of the
+    name typed in another section (`group_size`, or `sample.noise_level` in Flow-GRPO's sections) or
+    Flow-GRPO's name for a setting, unless a key of this section is spelt nearly alike."""
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
     if rest is not None:
         typed = ".".join([prefix + key, *rest])
-        if rest and (found := _setting_named(rest[-1], typed)):  # a section we lack (sample.num_steps)
-            return found
-        found = _setting_named(key, typed)
+        if rest:  # key names a section
+            near = difflib.get_close_matches(key, list(options), n=1, cutoff=0.8)
+            if near and (fixed := ".".join([prefix + near[0], *rest])) in _dotted_keys():
+                return f"; did you mean {fixed!r}?"
+            if found := _settings_named(rest[-1], typed, key):  # one of Flow-GRPO's (sample.num_steps)
+                return "; did you mean " + " or ".join(found) + "?"
+        found = _settings_named(key, typed, prefix.rstrip("."))
         if found and not difflib.get_close_matches(key, list(options), n=1, cutoff=0.8):
-            return found
+            return "; did you mean " + " or ".join(found) + "?"
     names = ", ".join(sorted(set(options)))
     return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
+
+
+def _next_keys(section: dict) -> list[str]:
+    """The first key of a section given whole, which names the setting meant (`sample: {num_steps:
+    10}`), as `_suggest`'s `rest`; none when it is not text."""
+    return [key for key in section if isinstance(key, str)][:1]
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -318,7 +337,7 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
         if not isinstance(key, str):
             raise ConfigError(f"config key {where!r} is {type(key).__name__}, not text: keys are names of settings")
         if key not in fields:
-            rest = [next(iter(value))] if isinstance(value, dict) and value else []  # a section given whole
+            rest = _next_keys(value) if isinstance(value, dict) else []  # a section given whole
             raise ConfigError(f"unknown config key {where!r}{_suggest(key, fields, prefix, rest=rest)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -337,7 +356,7 @@ def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) ->
         fields = _fields(type(obj))
         where = ".".join(parts[: i + 1])
         if part not in fields:
-            rest = parts[i + 1 :] or ([next(iter(value))] if isinstance(value, dict) and value else [])
+            rest = parts[i + 1 :] or (_next_keys(value) if isinstance(value, dict) else [])
             raise ConfigError(f"unknown config key {where!r}{_suggest(part, fields, where[: -len(part)], rest=rest)}")
         if i == len(parts) - 1:
             current = getattr(obj, part)
@@ -576,7 +595,7 @@ def _check_model_and_rewards(cfg: Config) -> None:
 
 def _check_not_empty(cfg: Config) -> None:
     """Paths and names that an unset shell variable would leave empty."""
-    evaluated = ("eval.prompts", "eval.reward") if cfg.eval.before_after or cfg.eval.every else ()
+    evaluated = ("eval.prompts", "eval.reward") if cfg.eval.enabled else ()
     for key in ("resume", "model.path", "rollout.prompts", *evaluated):
         if not str(_get_dotted(cfg, key)).strip():
             raise ConfigError(f"{key} is empty (an unset variable?)")

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -47,15 +48,34 @@ def _extensions_root(root: str | os.PathLike | None) -> Path:
 
 def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
     """Whether DeepSpeed's shared-memory op is built from `source` (its install's `ops/csrc`): the
-    library is there and its build file names that source. Another install (another venv, or the same
-    one reached through another path) rebuilds it, for about a minute on 2 cores, before the process
-    group starts and so before the trainer's start-up checks."""
+    library is there and its build file compiles that source (a path of its own, not the tail of
+    another). Another install (another venv, or the same one reached through another path) rebuilds
+    it, for about a minute on 2 cores, when the process group starts."""
+    pattern = re.compile(rf"(?:^|[\s=]|-I){re.escape(os.fspath(source))}/", re.MULTILINE)
     try:
         builds = [*_extensions_root(root).glob(f"{SHM_OP}/build.ninja"),
                   *_extensions_root(root).glob(f"*/{SHM_OP}/build.ninja")]  # fmt: skip
-        return any((b.parent / f"{SHM_OP}.so").is_file() and os.fspath(source) in b.read_text() for b in builds)
+        return any((b.parent / f"{SHM_OP}.so").is_file() and pattern.search(b.read_text()) for b in builds)
     except OSError:
         return False
+
+
+def shm_op_will_build(root: str | os.PathLike | None = None) -> bool:
+    """Whether DeepSpeed will build its shared-memory op when the process group starts, as it decides
+    (deepspeed.comm.torch.build_shm_op and OpBuilder.load): only where its accelerator has the op
+    (the CPU), the op can build here, no prebuilt one was installed with DeepSpeed
+    (DS_BUILD_SHM_COMM=1), and `shm_op_built` finds none from this install."""
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return False
+    if installed_ops.get(builder.NAME, False) and accelerator_name == get_accelerator()._name:
+        return False
+    return not shm_op_built(Path(deepspeed.__file__).parent / "ops" / "csrc", root)
 
 
 def stale_build_locks(root: str | os.PathLike | None = None, now: float | None = None) -> list[tuple[Path, float]]:
@@ -101,8 +121,7 @@ def init_distributed() -> Placement:
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(since))}, and DeepSpeed waits for the lock "
               f"without end. If no other process is building it, a killed start left the lock: delete "
               f"{lock}", file=sys.stderr, flush=True)  # fmt: skip
-    source = Path(deepspeed.__file__).parent / "ops" / "csrc"
-    if not torch.cuda.is_available() and os.environ.get("RANK", "0") == "0" and not shm_op_built(source):
+    if os.environ.get("RANK", "0") == "0" and shm_op_will_build():
         print(f"stepfast: DeepSpeed builds its CPU all-reduce op ({SHM_OP}) for this environment before the "
               "run starts: about a minute, once", file=sys.stderr, flush=True)  # fmt: skip
 

@@ -88,7 +88,7 @@ class Trainer:
         check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
-        self.eval_setup = self._eval_setup() if cfg.eval.before_after or cfg.eval.every else None
+        self.eval_setup = self._eval_setup() if cfg.eval.enabled else None
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
@@ -310,6 +310,7 @@ class Trainer:
         cfg = self.cfg
         records = load_prompts(cfg.eval.prompts)
         metas = [r.metadata or {"prompt": r.prompt} for r in records]
+        # each record's line, for errors: spread_over_categories picks among these same dicts
         line_of = {id(meta): record.line for meta, record in zip(metas, records)}
         metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
         try:  # with the options reward.options gives it, as a train reward has
@@ -470,7 +471,7 @@ def check_before_start(cfg) -> None:
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         raise ConfigError(f"model.path: {exc}") from None
     prompt_files = {"rollout.prompts": cfg.rollout.prompts}
-    if cfg.eval.before_after or cfg.eval.every:
+    if cfg.eval.enabled:
         prompt_files["eval.prompts"] = cfg.eval.prompts
     for key, source in prompt_files.items():
         try:
@@ -478,7 +479,7 @@ def check_before_start(cfg) -> None:
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
     named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
-    if cfg.eval.before_after or cfg.eval.every:
+    if cfg.eval.enabled:
         named["eval.reward"] = cfg.eval.reward
     for key, name in named.items():
         try:

@@ -171,6 +171,13 @@ def test_bad_overrides_name_the_key(override, message):
     ("pretrained.model=/m", "unknown config key 'pretrained'; did you mean 'model.path' "
                             "(Flow-GRPO's pretrained.model)?"),
     ("optim={lr: 1, group_size: 3}", "unknown config key 'optim.group_size'; did you mean 'rollout.group_size'?"),
+    # in eval, Flow-GRPO's eval_ names: the evaluation's setting, not the rollout's
+    ("eval.num_steps=40", "did you mean 'eval.steps' (Flow-GRPO's sample.eval_num_steps)?"),
+    ("eval.guidance_scale=4", "did you mean 'eval.cfg' (Flow-GRPO's sample.eval_guidance_scale)?"),
+    ("train.batch_size=2", "unknown config key 'train'; did you mean 'rollout.micro_batch' (Flow-GRPO's "
+                           "train.batch_size) or 'reward.batch_size' or 'eval.batch_size'?"),
+    ("evl.steps=3", "unknown config key 'evl'; did you mean 'eval.steps'?"),  # a misspelt section
+    ("sample={1: 2}", "unknown config key 'sample'; did you mean 'sampler'?"),  # a key that is not text
     ("optim.learning=3", "unknown config key 'optim.learning'; valid keys: beta, betas, clip_range, deepspeed, ema, "
                          "grad_clip, lr, precision, updates_per_iteration, warmup, weight_decay, zero_stage"),
     # the eval reward is also the train reward: listed once

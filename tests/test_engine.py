@@ -4,6 +4,7 @@ waited on in silence; the EMA applied for evaluation gives the model its weights
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -54,6 +55,11 @@ def test_the_shm_op_counts_as_built_only_from_this_install(tmp_path):
         (op / f"{SHM_OP}.so").write_bytes(b"\x7fELF")
         assert shm_op_built(ours, root)
         assert not shm_op_built(theirs, root)  # another venv's build: rebuilt for this one
+        copy = f"/copy{ours}"
+        (op / "build.ninja").write_text(f"cflags = -I{copy}/cpu/includes\nbuild shm.o: compile {copy}/x.cpp\n")
+        assert not shm_op_built(ours, root)  # another checkout whose path ends in this one's
+        (op / "build.ninja").write_text(f"build shm.o: compile {ours}/cpu/comm/shm.cpp\n")
+        assert shm_op_built(ours, root)
 
 
 def first_line_with(marker: str, extensions: Path, out: Path) -> str | None:
@@ -76,7 +82,10 @@ def first_line_with(marker: str, extensions: Path, out: Path) -> str | None:
                 break
             time.sleep(0.2)
     finally:
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+        try:
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+        except FileNotFoundError:  # no procps: the session's leader's group at least
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(timeout=10)
     found = next((line for line in seen if marker in line), None)

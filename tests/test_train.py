@@ -482,13 +482,13 @@ def test_missing_model_directory(tmp_path):
 
 
 @pytest.mark.parametrize("section", ["rollout", "eval"])
-@pytest.mark.parametrize("content, message", [
-    ("", "holds no prompts"),
-    ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', ":2: malformed JSON"),
+@pytest.mark.parametrize("content, messages", [
+    ("", ("holds no prompts",)),
+    ('{"prompt": "a photo of a circle"}\n{"prompt": "a photo of\n', (":2: malformed JSON",)),
     ('{"prompt": "a photo of a dog", "tag": "single_object", "include": [{"class": "dog", "count": 1}]}\n',
      ("prompts_metadata.jsonl:1: ", "the record of prompt 'a photo of a dog': include[0] asks for class 'dog'")),
 ])  # fmt: skip
-def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
+def test_bad_prompt_file(model_dir, tmp_path, content, messages, section):
     """Train or eval prompts: the error comes at start, before any iteration or checkpoint."""
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text(content)
@@ -497,8 +497,7 @@ def test_bad_prompt_file(model_dir, tmp_path, content, message, section):
     cfg = base_config(model_dir, tmp_path / "run", **{section: options}, **scored)
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
     assert proc.returncode == 2
-    assert str(prompts) in proc.stderr and all(m in proc.stderr for m in (message if isinstance(message, tuple)
-                                                                          else (message,)))  # fmt: skip
+    assert str(prompts) in proc.stderr and all(message in proc.stderr for message in messages)
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
 
 

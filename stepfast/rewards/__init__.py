@@ -60,7 +60,9 @@ REGISTRY: dict[str, str | Callable[..., Any]] = {
 
 
 def register(name: str, target: str | Callable[..., Any]) -> None:
-    """Register a reward under `name`: an import path "module:attr" or a class/factory."""
+    """Register a reward under `name`: an import path "module:attr" or a class/factory. The trainer
+    checks the names it is given before it loads any reward: register before it starts (in the
+    program that calls `stepfast.train.main`), not from a module that another reward imports."""
     REGISTRY[name] = target
 
 
