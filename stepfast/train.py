@@ -460,6 +460,19 @@ def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
         raise ConfigError(error)
 
 
+def check_reward_names(cfg) -> None:
+    """A ConfigError naming the setting (reward.weights, eval.reward) that names a reward neither
+    registered nor given as an import path, with the registered name closest to it."""
+    named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
+    if cfg.eval.enabled:
+        named["eval.reward"] = cfg.eval.reward
+    for key, name in named.items():
+        try:
+            rewards.check_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+
 def check_before_start(cfg) -> None:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
@@ -478,14 +491,7 @@ def check_before_start(cfg) -> None:
             load_prompts(source)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
-    named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
-    if cfg.eval.enabled:
-        named["eval.reward"] = cfg.eval.reward
-    for key, name in named.items():
-        try:
-            rewards.check_name(name)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+    check_reward_names(cfg)
     try:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
@@ -503,6 +509,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_reward_names(cfg)  # a mistyped reward is a mistyped setting, printed or not
     except ConfigError as exc:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2
