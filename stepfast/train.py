@@ -313,14 +313,7 @@ class Trainer:
         # each record's line, for errors: spread_over_categories picks among these same dicts
         line_of = {id(meta): record.line for meta, record in zip(metas, records)}
         metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
-        try:  # with the options reward.options gives it, as a train reward has
-            options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), self.device)
-            reward = rewards.load(cfg.eval.reward, **options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"eval.reward: {exc}") from exc
-        except OSError as exc:  # a model reward's files (a directory without the weights, say)
-            raise ConfigError(f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward}): "
-                              f"{' '.join(str(exc).split())}") from exc  # fmt: skip
+        reward = build_eval_reward(cfg, self.device)
         check_prompts(reward, [PromptRecord(m["prompt"], m, line_of[id(m)]) for m in metas], "eval.prompts",
                       cfg.eval.prompts)  # fmt: skip
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
@@ -417,6 +410,20 @@ def build_reward(cfg, device: torch.device):
         return rewards.load_weighted(cfg.reward.weights, options)
     except (TypeError, ValueError, OSError) as exc:  # OSError: a model reward's files, named with it
         raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
+
+
+def build_eval_reward(cfg, device: torch.device):
+    """The reward that scores held-out samples (eval.reward), with the options reward.options gives
+    it, as a train reward has; a ConfigError naming the setting for a bad name or options, or for a
+    model whose files do not load."""
+    try:
+        options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), device)
+        return rewards.load(cfg.eval.reward, **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"eval.reward: {exc}") from exc
+    except OSError as exc:  # a model reward's files (a directory without the weights, say)
+        raise ConfigError(f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward}): "
+                          f"{' '.join(str(exc).split())}") from exc  # fmt: skip
 
 
 def check_prompts(reward, records: list[PromptRecord], setting: str, source: str) -> None:

@@ -22,6 +22,7 @@ import yaml
 from PIL import Image
 
 from stepfast import checkpoint, grpo
+from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import SHM_DIR, free_port
@@ -536,22 +537,23 @@ def test_bad_reward_name(model_dir, tmp_path, section, options, message):
 
 
 @pytest.mark.parametrize("section", ["reward", "eval"])
-def test_a_model_reward_without_its_weights_is_named(model_dir, tmp_path, section):
-    """A reward's path that exists but holds no model (transformers raises a bare OSError): an error
-    that names the setting and the reward, at start, not a traceback."""
+def test_a_model_reward_without_its_weights_is_named(tmp_path, section):
+    """A reward's path that exists but holds no model (transformers raises a bare OSError): a
+    ConfigError naming the setting and the reward, which the trainer prints without a traceback."""
+    from stepfast.train import build_eval_reward, build_reward
+
     empty = tmp_path / "clip"
     empty.mkdir()
-    options = {"options": {"clipscore": {"path": str(empty)}}}
+    overrides = [f"reward.options={{clipscore: {{path: {empty}}}}}"]
     if section == "reward":
-        cfg = base_config(model_dir, tmp_path / "run", reward={"weights": {"clipscore": 1.0}, **options})
-        where = "reward.weights / reward.options: reward 'clipscore' cannot load its files:"
+        cfg = load_config("default", [*overrides, "reward.weights={clipscore: 1.0}"])
+        build, where = build_reward, "reward.weights / reward.options: reward 'clipscore' cannot load its files:"
     else:
-        cfg = base_config(model_dir, tmp_path / "run", reward=options, eval={"reward": "clipscore", "every": 2})
-        where = "eval.reward=clipscore (reward.options.clipscore):"
-    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert where in proc.stderr and str(empty) in proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+        cfg = load_config("default", [*overrides, "eval.reward=clipscore"])
+        build, where = build_eval_reward, "eval.reward=clipscore (reward.options.clipscore):"
+    with pytest.raises(ConfigError) as err:
+        build(cfg, torch.device("cpu"))
+    assert str(err.value).startswith(where) and str(empty) in str(err.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
