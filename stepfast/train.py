@@ -65,8 +65,15 @@ class EvalSetup(NamedTuple):
     reward: object  # eval.reward, with its reward.options
 
 
+class PromptFiles(NamedTuple):
+    """The prompt files a run reads, read once, before the process group starts."""
+
+    train: list[PromptRecord]  # rollout.prompts
+    eval: list[PromptRecord] | None  # eval.prompts, when the run evaluates
+
+
 class Trainer:
-    def __init__(self, cfg, rank: int, world: int, device: torch.device):
+    def __init__(self, cfg, rank: int, world: int, device: torch.device, prompts: PromptFiles):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
@@ -80,7 +87,7 @@ class Trainer:
         self.resume_from = self._resume_path()
         if self.resume_from is not None:
             self._check_resumable()
-        self.prompts = load_prompts(cfg.rollout.prompts)
+        self.prompts = prompts.train
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         self.reward = build_reward(cfg, device)
@@ -88,7 +95,7 @@ class Trainer:
         check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
-        self.eval_setup = self._eval_setup() if cfg.eval.enabled else None
+        self.eval_setup = self._eval_setup(prompts.eval) if cfg.eval.enabled else None
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
@@ -305,10 +312,10 @@ class Trainer:
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
 
-    def _eval_setup(self) -> EvalSetup:
-        """The held-out prompts, the images to draw of them, and their reward, checked."""
+    def _eval_setup(self, records: list[PromptRecord]) -> EvalSetup:
+        """The held-out prompts (eval.prompts' `records`), the images to draw of them, and their
+        reward, checked."""
         cfg = self.cfg
-        records = load_prompts(cfg.eval.prompts)
         metas = [r.metadata or {"prompt": r.prompt} for r in records]
         # each record's line, for errors: spread_over_categories picks among these same dicts
         line_of = {id(meta): record.line for meta, record in zip(metas, records)}
@@ -480,12 +487,12 @@ def check_reward_names(cfg) -> None:
             raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_before_start(cfg) -> None:
+def check_before_start(cfg) -> PromptFiles:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
-    there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, a
-    prompt file that cannot be read (its line), or the setting that names a reward that does not exist
-    (reward.weights, eval.reward)."""
+    there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, or a
+    prompt file that cannot be read (its line). Returns the prompt files read. (Reward names are
+    checked with the configuration, by `check_reward_names`.)"""
     try:
         check_pipeline_dir(resolve_model_path(cfg.model.path))
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
@@ -493,12 +500,12 @@ def check_before_start(cfg) -> None:
     prompt_files = {"rollout.prompts": cfg.rollout.prompts}
     if cfg.eval.enabled:
         prompt_files["eval.prompts"] = cfg.eval.prompts
+    read = {}
     for key, source in prompt_files.items():
         try:
-            load_prompts(source)
+            read[key] = load_prompts(source)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
-    check_reward_names(cfg)
     try:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
@@ -510,6 +517,7 @@ def check_before_start(cfg) -> None:
             raise ConfigError(f"resume: cannot check {cfg.resume!r}: {exc.strerror or exc}") from None
         if not found:
             raise ConfigError(f"resume: checkpoint {cfg.resume!r} is not a directory (use auto, none or a checkpoint dir)")
+    return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
 
 
 def main(argv=None) -> int:
@@ -524,14 +532,14 @@ def main(argv=None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     try:  # on every rank, before the process group (and a build of its op) and the model
-        check_before_start(cfg)
+        prompts = check_before_start(cfg)
     except ConfigError as exc:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
         return 2
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
     try:
-        Trainer(cfg, rank, world, device).fit()
+        Trainer(cfg, rank, world, device, prompts).fit()
     except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
         # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
         print(f"stepfast: error: {exc}", file=sys.stderr)
