@@ -40,10 +40,14 @@ STALE_LOCK_SECONDS = 300
 SHM_DIR = Path("/dev/shm")
 
 
-def _extensions_root(root: str | os.PathLike | None) -> Path:
+def _shm_op_files(root: str | os.PathLike | None, name: str) -> list[Path]:
+    """Every `name` file of the shared-memory op's builds where torch puts them: straight under
+    $TORCH_EXTENSIONS_DIR (or `root`), or under a folder per Python and accelerator in its default
+    root."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return sorted([*root.glob(f"{SHM_OP}/{name}"), *root.glob(f"*/{SHM_OP}/{name}")])
 
 
 def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
@@ -53,8 +57,7 @@ def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = Non
     it, for about a minute on 2 cores, when the process group starts."""
     pattern = re.compile(rf"(?:^|[\s=]|-I){re.escape(os.fspath(source))}/", re.MULTILINE)
     try:
-        builds = [*_extensions_root(root).glob(f"{SHM_OP}/build.ninja"),
-                  *_extensions_root(root).glob(f"*/{SHM_OP}/build.ninja")]  # fmt: skip
+        builds = _shm_op_files(root, "build.ninja")
         return any((b.parent / f"{SHM_OP}.so").is_file() and pattern.search(b.read_text()) for b in builds)
     except OSError:
         return False
@@ -87,10 +90,9 @@ def stale_build_locks(root: str | os.PathLike | None = None, now: float | None =
     A start killed while it holds the lock leaves the file, and every later start waits for it forever
     without a word.
     """
-    root = _extensions_root(root)
     now = time.time() if now is None else now
     try:
-        locks = sorted([*root.glob(f"{SHM_OP}/lock"), *root.glob(f"*/{SHM_OP}/lock")])
+        locks = _shm_op_files(root, "lock")
     except OSError:
         return []
     stale = []
