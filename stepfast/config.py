@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -228,16 +229,17 @@ FLOW_GRPO_NAMES = {
 }
 
 
-def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
+@functools.cache
+def _dotted_keys(cls=None, prefix: str = "") -> tuple[str, ...]:
     """Every setting of the configuration as its dotted key (`rollout.group_size`)."""
     cls = Config if cls is None else cls
-    keys = []
+    keys: list[str] = []
     for name, hint in _type_hints(cls).items():
         if dataclasses.is_dataclass(hint):
             keys += _dotted_keys(hint, f"{prefix}{name}.")
         else:
             keys.append(prefix + name)
-    return keys
+    return tuple(keys)
 
 
 def _settings_named(leaf: str, typed: str, section: str = "") -> list[str]:
@@ -245,14 +247,13 @@ def _settings_named(leaf: str, typed: str, section: str = "") -> list[str]:
     for one (in `section` "eval" its `eval_` names, `eval.num_steps` -> `eval.steps`), then every
     setting whose key ends in `leaf` (`group_size` -> `rollout.group_size`); failing both, the
     Flow-GRPO name `leaf` is nearly spelt as. `typed`: the key as given, never suggested back."""
+    ours = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf]
     theirs = next((n for n in (f"eval_{leaf}" if section == "eval" else leaf, leaf) if n in FLOW_GRPO_NAMES), None)
-    if theirs is None:
+    if theirs is None and not ours:  # a name of ours typed in the wrong place is not a misspelt one of theirs
         theirs = next(iter(difflib.get_close_matches(leaf, list(FLOW_GRPO_NAMES), n=1, cutoff=0.8)), None)
-        if theirs is not None and any(k.rsplit(".", 1)[-1] == leaf for k in _dotted_keys()):
-            theirs = None  # a name of ours, typed in the wrong place
     found = [f"{FLOW_GRPO_NAMES[theirs][1]!r} (Flow-GRPO's {FLOW_GRPO_NAMES[theirs][0]})"] if theirs else []
     if section != "eval" or not found:
-        found += [repr(k) for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != typed]
+        found += [repr(k) for k in ours if k != typed]
     return found
 
 
@@ -263,16 +264,16 @@ def _suggest(key: str, options, prefix: str = "", rest: list[str] | None = None)
     name typed in another section (`group_size`, or `sample.noise_level` in Flow-GRPO's sections) or
     Flow-GRPO's name for a setting, unless a key of this section is spelt nearly alike."""
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    near = difflib.get_close_matches(key, list(options), n=1, cutoff=0.8)  # spelt nearly alike
     if rest is not None:
         typed = ".".join([prefix + key, *rest])
         if rest:  # key names a section
-            near = difflib.get_close_matches(key, list(options), n=1, cutoff=0.8)
             if near and (fixed := ".".join([prefix + near[0], *rest])) in _dotted_keys():
                 return f"; did you mean {fixed!r}?"
             if found := _settings_named(rest[-1], typed, key):  # one of Flow-GRPO's (sample.num_steps)
                 return "; did you mean " + " or ".join(found) + "?"
         found = _settings_named(key, typed, prefix.rstrip("."))
-        if found and not difflib.get_close_matches(key, list(options), n=1, cutoff=0.8):
+        if found and not near:
             return "; did you mean " + " or ".join(found) + "?"
     names = ", ".join(sorted(set(options)))
     return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
