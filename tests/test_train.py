@@ -60,11 +60,12 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True, extra_env=None):
+def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True, extra_env=None,
+          port: int | None = None):
     if ranks == 1:
         cmd = [sys.executable, str(TRAIN), "--config", str(config), *overrides]
     else:
-        cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(TRAIN),
+        cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(port or free_port()), str(TRAIN),
                "--config", str(config), *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
@@ -391,10 +392,11 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["optim"]["zero_stage"] = 2
     cfg["log"] = {"tensorboard": False, "report": False}
-    segments = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
-    train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2)
-    # DeepSpeed's CPU all-reduce segments (66 MiB of RAM per rank) do not outlive the run
-    assert set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) <= segments
+    port = free_port()
+    train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2, port=port)
+    # DeepSpeed's CPU all-reduce segments (66 MiB of RAM per rank) do not outlive the run; their names
+    # hold the run's port (other runs may be going on beside this one)
+    assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     got, want = metrics(tmp_path / "run"), metrics(base_out)
     assert [r["iteration"] for r in got] == [1, 2]
     keys = [k for k in want[0] if not k.startswith(("time/", "grad_norm"))]
