@@ -277,3 +277,21 @@ def test_a_prompt_refused_by_a_part_keeps_its_index_and_names_the_part():
         reward.check(["a photo of a circle", "a photo of a square", "a red circle"])
     assert (err.value.index, err.value.reward) == (2, "shapes")
     assert str(err.value) == f"reward 'shapes': prompt 3: {err.value.reason}" and "'a red circle'" in err.value.reason
+
+
+def test_a_models_missing_or_incomplete_files_are_named_once_with_the_reward(tmp_path):
+    """A missing path is named by the reward's own check (RewardFileError, passed on as it is); files
+    that transformers cannot load (a bare OSError) get the reward's name in front."""
+    from stepfast.rewards.paths import RewardFileError
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(RewardFileError) as err:
+        WeightedReward({"clipscore": 1.0}, {"clipscore": {"path": missing}})
+    assert err.value.reward == "clipscore"
+    assert str(err.value).startswith(f"reward 'clipscore': path='{missing}' does not exist; ")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(OSError) as err:
+        WeightedReward({"clipscore": 1.0}, {"clipscore": {"path": empty}})
+    assert not isinstance(err.value, RewardFileError)
+    assert str(err.value).startswith("reward 'clipscore' cannot load its files: ") and str(empty) in str(err.value)

@@ -16,6 +16,7 @@ import torch
 
 import stepfast.rewards as registry
 from stepfast.rewards.geneval_remote import is_tag_column
+from stepfast.rewards.paths import RewardFileError
 
 
 def check_scores(name: str, out, batch: int) -> dict[str, torch.Tensor]:
@@ -61,12 +62,13 @@ def has_a_mean(key: str) -> bool:
 
 def _load_part(name: str, options: Mapping) -> object:
     """Reward `name` built with `options`; a model's files that fail to load (a directory without
-    the weights, say) raise an OSError that names the reward, as a missing path already does."""
+    the weights, say) raise an OSError that names the reward, as a missing path already does
+    (`RewardFileError`)."""
     try:
         return registry.load(name, **options)
+    except RewardFileError:
+        raise
     except OSError as exc:
-        if str(exc).startswith(f"reward {name!r}"):
-            raise
         raise OSError(f"reward {name!r} cannot load its files: {' '.join(str(exc).split())}") from exc
 
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from stepfast.rewards.images import to_pil
-from stepfast.rewards.paths import require_local
+from stepfast.rewards.paths import RewardFileError, require_local
 
 #: the package's normalisation of the MLP output (ImageReward.mean / ImageReward.std)
 MEAN = 0.16717362830052426
@@ -244,8 +244,8 @@ def _tokenizer(directory: str):
     from transformers import BertTokenizer
 
     if not any(os.path.isfile(os.path.join(directory, f)) for f in ("vocab.txt", "tokenizer.json")):
-        raise FileNotFoundError(f"reward 'imagereward': tokenizer={directory!r} has neither vocab.txt nor "
-                                "tokenizer.json; it should be a local copy of the bert-base-uncased tokenizer")
+        raise RewardFileError("imagereward", f"reward 'imagereward': tokenizer={directory!r} has neither vocab.txt "
+                              "nor tokenizer.json; it should be a local copy of the bert-base-uncased tokenizer")
     tokenizer = BertTokenizer.from_pretrained(directory, local_files_only=True)
     # BLIP's init_tokenizer: [DEC] as bos, [ENC] as the additional special token.
     tokenizer.add_special_tokens({"bos_token": "[DEC]"})

@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 
 
+class RewardFileError(FileNotFoundError):
+    """A reward's local file or directory is missing or incomplete; the message names the reward."""
+
+    def __init__(self, reward: str, message: str):
+        super().__init__(message)
+        self.reward = reward
+
+
 def require_local(reward: str, option: str, value, what: str, kind: str = "any", hint: str = "") -> str:
     """`value` as a str, or a clear error naming the reward, the option and what it should be.
 
@@ -16,6 +24,6 @@ def require_local(reward: str, option: str, value, what: str, kind: str = "any",
     exists = {"file": os.path.isfile, "dir": os.path.isdir, "any": os.path.exists}[kind](value)
     if not exists:
         problem = {"file": "is not a file", "dir": "is not a directory", "any": "does not exist"}[kind]
-        raise FileNotFoundError(f"reward {reward!r}: {option}={value!r} {problem}; {hint}" if hint
-                                else f"reward {reward!r}: {option}={value!r} {problem} (expected: {what})")  # fmt: skip
+        raise RewardFileError(reward, f"reward {reward!r}: {option}={value!r} {problem}; {hint}" if hint
+                              else f"reward {reward!r}: {option}={value!r} {problem} (expected: {what})")  # fmt: skip
     return value
