@@ -54,6 +54,9 @@ class SdeConfig:
     eta: float = 1.0  # ddim noise scale (std = eta s sqrt(1 - t))
     noise_level: float = 0.7  # flow_sde / cps noise level a
     window: list[int] | None = None  # [start, end): SDE steps (trained); ODE elsewhere. None = all
+    # train the first int(timestep_fraction x steps) steps only; the later ones are still sampled with
+    # the SDE (Flow-GRPO's train.timestep_fraction: 0.99 never trains the last step)
+    timestep_fraction: float = 1.0
     logprob: str = "gaussian"  # gaussian | cps
     min_std: float = 1e-4  # steps with a smaller std are deterministic: not trained
 
@@ -205,7 +208,7 @@ FLOW_GRPO_NAMES = {
     "adam_weight_decay": ("train.adam_weight_decay", "optim.weight_decay"),
     "max_grad_norm": ("train.max_grad_norm", "optim.grad_clip"),
     "adv_clip_max": ("train.adv_clip_max", "credit_opts.adv_clip"),
-    "timestep_fraction": ("train.timestep_fraction", "sde.window"),
+    "timestep_fraction": ("train.timestep_fraction", "sde.timestep_fraction"),
     "sde_window_range": ("sample.sde_window_range", "sde.window"),
     "num_steps": ("sample.num_steps", "sde.steps"),
     "eval_num_steps": ("sample.eval_num_steps", "eval.steps"),
@@ -564,6 +567,8 @@ def _check_numbers(cfg: Config) -> None:
         w = cfg.sde.window
         if len(w) != 2 or not 0 <= w[0] < w[1] <= cfg.sde.steps:
             raise ConfigError(f"sde.window must be [start, end) with 0 <= start < end <= {cfg.sde.steps}, got {w}")
+    if not 0 < cfg.sde.timestep_fraction <= 1:
+        raise ConfigError(f"sde.timestep_fraction must be in (0, 1], got {cfg.sde.timestep_fraction}")
     if not 0 <= cfg.optim.ema < 1:
         raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
 
@@ -633,12 +638,11 @@ def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
     out = []
     last = cfg.sde.steps - 1
     if trained and last in trained and last > 0:
-        start = cfg.sde.window[0] if cfg.sde.window else 0
-        fix = f"set sde.window=[{start}, {last}] (as the flow_grpo preset does) or raise" if start < last else "raise"
         out.append(
             f"sampler={cfg.sampler} trains the last step (t_1 -> 0, the smallest std of the grid), which "
             f"Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
-            f"step; {fix} sde.min_std"
+            f"step; set sde.timestep_fraction=0.99 (as the flow_grpo preset does: the step is still sampled "
+            f"with noise) or raise sde.min_std (it becomes an ODE step)"
         )
     if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
         out.append(

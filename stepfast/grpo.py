@@ -38,7 +38,7 @@ def rollout(model, cond: PromptEmbeddings, x_init, noise, grid, cfg: Config) -> 
         trajs.append(sample_trajectory(
             lambda x, t: velocity(model, x, t, c, cfg.rollout.cfg), x_init[mb], grid, cfg.sampler,
             noise=noise[:, mb], sde_window=cfg.sde.window, convention=cfg.sde.logprob,
-            min_std=cfg.sde.min_std, **sde_params(cfg),
+            min_std=cfg.sde.min_std, timestep_fraction=cfg.sde.timestep_fraction, **sde_params(cfg),
         ))  # fmt: skip
     first = trajs[0]
     return Trajectory(
@@ -245,7 +245,9 @@ def gain_magnitudes(global_rewards: torch.Tensor) -> torch.Tensor:
 
 def trained_steps(cfg: Config, grid: torch.Tensor | None = None) -> list[int]:
     """The steps the update trains: in the SDE window, with a std of at least sde.min_std on `grid`
-    (the trainer's, whose shift is the model scheduler's; default the SD3 grid, shift 3)."""
+    (the trainer's, whose shift is the model scheduler's; default the SD3 grid, shift 3), among the
+    first int(sde.timestep_fraction x sde.steps)."""
     grid = sde.sd3_time_grid(cfg.sde.steps) if grid is None else grid
-    trained = sde.trained_steps(cfg.sampler, grid, cfg.sde.window, cfg.sde.min_std, **sde_params(cfg))
+    trained = sde.trained_steps(cfg.sampler, grid, cfg.sde.window, cfg.sde.min_std, cfg.sde.timestep_fraction,
+                                **sde_params(cfg))  # fmt: skip
     return trained.nonzero().flatten().tolist()

@@ -52,30 +52,36 @@ def sample_trajectory(
     reduce: str = "mean",
     patch_size: int | None = None,
     min_std: float = sde.DEGENERATE_STD,
+    timestep_fraction: float = 1.0,
     **params,
 ) -> Trajectory:
     """Run the sampler from x_init along `grid`, keeping every state, velocity and old log-prob.
 
     noise: optional [T, B, ...] step noises (otherwise drawn from `generator`). sde_window=(a, b):
     only steps a <= j < b use `kind`; the others are ODE steps (Flow-GRPO's fast presets). Steps with
-    std below `min_std` are deterministic: they carry no log-probability and are not trained.
+    std below `min_std` are deterministic: they carry no log-probability and are not trained. Only
+    the first int(timestep_fraction * T) steps are trained; a later step is still the sampler's, and
+    carries no log-probability either (Flow-GRPO's train.timestep_fraction).
     """
     grid = torch.as_tensor(grid, dtype=torch.float32)
     steps = grid.numel() - 1
-    trained = sde.trained_steps(kind, grid, sde_window, min_std, **params)
+    stochastic = sde.stochastic_steps(kind, grid, sde_window, min_std, **params)
+    trained = sde.trained_steps(kind, grid, sde_window, min_std, timestep_fraction, **params)
     x = x_init.float()
     b = x.shape[0]
     states, velocities, log_probs = [x], [], []
     for j in range(steps):
         t, s = grid[j].expand(b), grid[j + 1].expand(b)  # on the host: see below
         v = velocity(x, t.to(x.device)).float()
-        if trained[j]:
+        if stochastic[j]:
             # the fused op: the sample and its log-prob in one pass, the log-prob bit for bit what the
             # update's sde_logprob recomputes from the stored sample (the ratio starts at exactly 1); the
             # times from the host grid, whose coefficient table the op caches without reading a GPU back
             sample, lp = sde_step_with_logprob(kind, x, v, t, s, None if noise is None else noise[j],
                                                convention=convention, reduce=reduce, patch_size=patch_size,
                                                generator=generator, **params)  # fmt: skip
+            if not trained[j]:
+                lp = torch.zeros_like(lp)
         else:  # ODE outside the window and where the std is under min_std: an untrained step adds no noise
             sample = sde.step("ode", x, v, t.to(x.device), s.to(x.device)).sample
             lp = torch.zeros(sde.log_prob_shape(x, reduce, patch_size), device=x.device)

@@ -297,12 +297,12 @@ def degenerate_steps(kind: str, grid: torch.Tensor, threshold: float = DEGENERAT
     return step_std(kind, grid[:-1], grid[1:], **params) < threshold
 
 
-def trained_steps(
+def stochastic_steps(
     kind: str, grid: torch.Tensor, window: Sequence[int] | None = None, min_std: float = DEGENERATE_STD, **params
 ) -> torch.Tensor:
-    """Bool [N]: which steps of `grid` are sampled with `kind` and trained: those in the SDE window
-    [a, b) (all steps when None) that are not degenerate (`degenerate_steps` with `min_std`). The
-    others are ODE steps."""
+    """Bool [N]: which steps of `grid` are sampled with `kind`: those in the SDE window [a, b) (all
+    steps when None) that are not degenerate (`degenerate_steps` with `min_std`). The others are ODE
+    steps."""
     grid = torch.as_tensor(grid, dtype=torch.float32)
     steps = grid.numel() - 1
     if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1]):
@@ -310,3 +310,17 @@ def trained_steps(
     in_window = torch.zeros(steps, dtype=torch.bool, device=grid.device)
     in_window[slice(*window) if window is not None else slice(None)] = True
     return in_window & ~degenerate_steps(kind, grid, threshold=min_std, **params)
+
+
+def trained_steps(
+    kind: str, grid: torch.Tensor, window: Sequence[int] | None = None, min_std: float = DEGENERATE_STD,
+    timestep_fraction: float = 1.0, **params,
+) -> torch.Tensor:
+    """Bool [N]: which steps of `grid` are trained: the `stochastic_steps` among the first
+    int(timestep_fraction * N) (Flow-GRPO's train.timestep_fraction, whose 0.99 leaves the last step
+    sampled with noise but never trained)."""
+    if not 0 < timestep_fraction <= 1:
+        raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    stochastic = stochastic_steps(kind, grid, window, min_std, **params)
+    first = torch.arange(stochastic.numel(), device=stochastic.device) < int(timestep_fraction * stochastic.numel())
+    return stochastic & first

@@ -152,8 +152,9 @@ class Trainer:
         cfg = self.cfg
         if not steps:
             raise ConfigError(
-                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window} and "
-                f"sde.min_std={cfg.sde.min_std} trains no step (every step is an ODE step or has a smaller std)"
+                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window}, "
+                f"sde.min_std={cfg.sde.min_std} and sde.timestep_fraction={cfg.sde.timestep_fraction} trains no "
+                "step (every step is an ODE step, has a smaller std, or comes after the fraction trained)"
             )
         micro = len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
         calls = len(steps) * micro

@@ -19,7 +19,7 @@ def test_default_and_flow_grpo_presets():
     assert (default.credit, default.sampler, default.rollout.same_latent) == ("stepwise", "ddim", True)
     assert default.reward.weights == {"shapes": 1.0} and default.model.path == "embedded"
     assert (flow.credit, flow.sampler, flow.sde.noise_level) == ("flow_grpo", "flow_sde", 0.7)
-    assert flow.sde.window == [0, int(0.99 * flow.sde.steps)] and not flow.rollout.same_latent
+    assert flow.sde.window is None and flow.sde.timestep_fraction == 0.99 and not flow.rollout.same_latent
     assert flow.optim.clip_range == 1e-4 and flow.credit_opts.adv_clip == 5.0
     # same model, batch and budget
     for key in ("iterations",):
@@ -349,25 +349,36 @@ def test_stepwise_credit_without_shared_noise_is_warned_about():
 
 
 def test_training_the_last_step_is_warned_about():
-    """Flow-GRPO never trains the t_1 -> 0 step; flow_sde without a window trains it when sde.min_std
-    is below its std (0.0063 at noise level 0.7), and the warning names the window that would not."""
+    """Flow-GRPO never trains the t_1 -> 0 step; flow_sde trains it when sde.timestep_fraction keeps
+    it and sde.min_std is below its std (0.0063 at noise level 0.7), and the warning names the
+    settings that would not."""
     from stepfast.config import config_warnings
     from stepfast.grpo import trained_steps
 
     for preset in ("default", "flow_grpo"):
         cfg = load_config(preset)
         assert config_warnings(cfg, trained_steps(cfg)) == []
-    cfg = load_config("flow_grpo", ["sde.window=null"])
+    cfg = load_config("flow_grpo", ["sde.timestep_fraction=1.0"])
     assert trained_steps(cfg) == list(range(10))
     (warning,) = config_warnings(cfg, trained_steps(cfg))
-    assert "sampler=flow_sde trains the last step" in warning and "sde.window=[0, 9]" in warning
-    cfg = load_config("flow_grpo", ["sde.window=[2, 10]"])  # the window's own start is kept
-    assert "sde.window=[2, 9]" in config_warnings(cfg, trained_steps(cfg))[0]
-    cfg = load_config("flow_grpo", ["sde.window=[9, 10]"])  # no window left to suggest
-    (warning,) = config_warnings(cfg, trained_steps(cfg))
-    assert "sde.window" not in warning and warning.endswith("; raise sde.min_std")
-    cfg = load_config("flow_grpo", ["sde.window=null", "sde.min_std=0.01"])  # above that std: not trained
+    assert "sampler=flow_sde trains the last step" in warning and "set sde.timestep_fraction=0.99" in warning
+    assert "raise sde.min_std" in warning
+    cfg = load_config("flow_grpo", ["sde.timestep_fraction=1.0", "sde.min_std=0.01"])  # above that std: not trained
     assert trained_steps(cfg)[-1] == 8 and config_warnings(cfg, trained_steps(cfg)) == []
+    cfg = load_config("flow_grpo", ["sde.timestep_fraction=1.0", "sde.window=[0, 9]"])  # an ODE step: not trained
+    assert trained_steps(cfg) == list(range(9)) and config_warnings(cfg, trained_steps(cfg)) == []
+
+
+def test_flow_grpo_trains_the_first_99_percent_of_the_steps_whatever_their_number():
+    """int(0.99 T) as Flow-GRPO's train.timestep_fraction, not a window fixed for T = 10."""
+    from stepfast.grpo import trained_steps
+
+    for steps in (10, 20, 40):
+        cfg = load_config("flow_grpo", [f"sde.steps={steps}"])
+        assert trained_steps(cfg) == list(range(int(0.99 * steps)))
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=rf"sde.timestep_fraction must be in \(0, 1\], got {bad}"):
+            load_config("flow_grpo", [f"sde.timestep_fraction={bad}"])
 
 
 def test_trained_steps_are_counted_on_the_grid_the_rollout_uses():
@@ -399,6 +410,12 @@ def test_trained_steps_of_a_window_on_any_device():
     for window in ([-2, 3], [3, 3], [5, 2], [1]):
         with pytest.raises(ValueError, match="SDE window must be"):
             sde.trained_steps("ddim", grid, window, eta=1.0)
+    # the first int(fraction x 10) steps among those: 0.45 -> steps 0..3
+    half = sde.trained_steps("ddim", grid, None, min_std=0.05, timestep_fraction=0.45, eta=1.0)
+    assert half.nonzero().flatten().tolist() == [1, 2, 3]
+    assert torch.equal(sde.stochastic_steps("ddim", grid, None, min_std=0.05, eta=1.0), everything)
+    with pytest.raises(ValueError, match="timestep_fraction must be in"):
+        sde.trained_steps("ddim", grid, None, timestep_fraction=0.0, eta=1.0)
 
 
 def test_ema_with_weights_on_nvme_is_refused_at_start():

@@ -202,3 +202,31 @@ def test_a_step_under_min_std_is_an_ode_step_in_the_rollout(kind):
             assert torch.equal(traj.states[j + 1], fused.sample) and torch.equal(traj.log_probs[j], fused.log_prob)
         else:
             assert torch.equal(traj.states[j + 1], expected.sample), f"step {j}"
+
+
+def test_steps_after_the_timestep_fraction_are_sampled_with_noise_but_not_trained():
+    """Flow-GRPO's train.timestep_fraction = 0.99: the last of 10 flow_sde steps is drawn by the
+    sampler as every other step is (the same states as training all of them), with no log-prob and
+    not trained; an SDE window that ends before it makes it an ODE step instead (another final image)."""
+    from stepfast.rollout import sample_trajectory
+
+    grid = sde.sd3_time_grid(10)
+    g = torch.Generator().manual_seed(0)
+    x_init, noise = torch.randn(3, 4, 5, generator=g), torch.randn(10, 3, 4, 5, generator=g)
+
+    def velocity(x, t):
+        return torch.sin(3 * x) - x + t[:, None, None]
+
+    def run(**kw):
+        return sample_trajectory(velocity, x_init, grid, "flow_sde", noise=noise, noise_level=0.7, **kw)
+
+    every, fraction, window = run(), run(timestep_fraction=0.99), run(sde_window=(0, 9))
+    assert every.trained.tolist() == [True] * 10
+    assert fraction.trained.tolist() == window.trained.tolist() == [True] * 9 + [False]
+    assert torch.equal(fraction.states, every.states)
+    assert torch.equal(fraction.log_probs[:9], every.log_probs[:9])
+    assert bool((every.log_probs[9] != 0).all()) and bool((fraction.log_probs[9] == 0).all())
+    assert torch.equal(window.states[:10], every.states[:10])
+    ode = every.states[9] + (grid[10] - grid[9]) * every.velocities[9]
+    torch.testing.assert_close(window.states[10], ode, rtol=0, atol=1e-6)
+    assert (fraction.states[10] - ode).abs().max() > 1e-3
