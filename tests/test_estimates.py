@@ -163,3 +163,28 @@ def test_cuda_graph_engine_sees_conditioning_updated_in_place():
     with torch.no_grad():
         expected = estimate_clean_images(conditioned, states, t, 3)
     torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_cuda_graph_engine_sees_weights_an_optimizer_step_changed(device):
+    """The trainer captures the estimates once (on CUDA) and replays them every iteration after an
+    optimizer step, and inside the EMA's swap of the weights: both write the parameters in place,
+    which a replay reads. A replay with the old weights would score the new policy's states with the
+    old one. (On the CPU the engine runs eagerly: the same checks, without a graph.)"""
+    velocity = TinyVelocity().to(device)
+    states, t = states_and_times(device=device)
+    engine = EstimateEngine(velocity, use_cuda_graph=device == "cuda")
+    before = engine(states, t, 3).clone()
+    optimizer = torch.optim.AdamW(velocity.parameters(), lr=1e-2)
+    velocity(states, t).square().mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        expected = estimate_clean_images(velocity, states, t, 3)
+    assert (expected - before).abs().max() > 1e-3
+    torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # as EMA.applied: other weights copied into the same tensors
+        for p in velocity.parameters():
+            p.copy_(p * 0.5)
+        expected = estimate_clean_images(velocity, states, t, 3)
+    torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
