@@ -24,8 +24,9 @@ class Trajectory:
 
     states[j] is x at grid[j] (states[0] the initial noise, states[T] the final sample);
     velocities[j] the model's velocity at states[j]; log_probs[j] the log-probability of the
-    transition states[j] -> states[j + 1] under the sampling policy (0 where the step is
-    deterministic, see `trained`); trained[j] whether step j is stochastic.
+    transition states[j] -> states[j + 1] under the sampling policy (0 where the step is not
+    trained); trained[j] whether step j is trained: stochastic, and among the first
+    int(timestep_fraction * T) steps (a later stochastic step is sampled but carries no log-prob).
     """
 
     states: torch.Tensor  # [T + 1, B, ...]
