@@ -15,6 +15,7 @@ import re
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -117,6 +118,11 @@ class Placement(NamedTuple):
 def init_distributed() -> Placement:
     """Join (or create) the process group; returns this process's placement."""
     import deepspeed
+
+    # ZeRO gathers its partitions through torch.distributed.all_gather_into_tensor, which torch
+    # deprecates: each rank warned once about DeepSpeed's call, which no setting of a run changes
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)  # fmt: skip
 
     for lock, since in stale_build_locks():
         print(f"stepfast: warning: DeepSpeed's {SHM_OP} op has been locked for building since "

@@ -393,7 +393,8 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     cfg["optim"]["zero_stage"] = 2
     cfg["log"] = {"tensorboard": False, "report": False}
     port = free_port()
-    train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2, port=port)
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2, port=port)
+    assert "is deprecated" not in proc.stderr, proc.stderr[-3000:]  # torch's, about DeepSpeed's all-gather
     # DeepSpeed's CPU all-reduce segments (66 MiB of RAM per rank) do not outlive the run; their names
     # hold the run's port (other runs may be going on beside this one)
     assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
