@@ -15,8 +15,9 @@ RANKS ?= $$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
 THREADS ?= $$(( $$(nproc) / ranks > 0 ? $$(nproc) / ranks : 1 ))
 # `make test` workers (pytest-xdist): one per core, at most 4. Most of the suite's time is trainers
 # started as subprocesses, one thread per rank, and their imports and file I/O: on 2 cores two
-# workers took 373 s where one took 653 s. `make test WORKERS=0` runs in one process.
-WORKERS ?= $$(( $$(nproc) < 4 ? $$(nproc) : 4 ))
+# workers took 373 s where one took 653 s. `make test WORKERS=0` runs in one process. (nproc would
+# report OMP_NUM_THREADS instead of the cores when it is set.)
+WORKERS ?= $$(n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $$(( n < 4 ? n : 4 )))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepfast-installed
 

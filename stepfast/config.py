@@ -53,7 +53,8 @@ class SdeConfig:
     steps: int = 10  # T: denoising steps of a training rollout
     eta: float = 1.0  # ddim noise scale (std = eta s sqrt(1 - t))
     noise_level: float = 0.7  # flow_sde / cps noise level a
-    window: list[int] | None = None  # [start, end): SDE steps (trained); ODE elsewhere. None = all
+    # [start, end): SDE steps (trained, up to timestep_fraction); ODE elsewhere. None = all
+    window: list[int] | None = None
     # train the first int(timestep_fraction x steps) steps only; the later ones are still sampled with
     # the SDE (Flow-GRPO's train.timestep_fraction: 0.99 never trains the last step)
     timestep_fraction: float = 1.0
@@ -256,7 +257,7 @@ def _settings_named(leaf: str, typed: str, section: str = "") -> list[str]:
         theirs = next(iter(difflib.get_close_matches(leaf, list(FLOW_GRPO_NAMES), n=1, cutoff=0.8)), None)
     found = [f"{FLOW_GRPO_NAMES[theirs][1]!r} (Flow-GRPO's {FLOW_GRPO_NAMES[theirs][0]})"] if theirs else []
     if section != "eval" or not found:
-        found += [repr(k) for k in ours if k != typed]
+        found += [repr(k) for k in ours if k != typed and not (theirs and k == FLOW_GRPO_NAMES[theirs][1])]
     return found
 
 
@@ -638,11 +639,13 @@ def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
     out = []
     last = cfg.sde.steps - 1
     if trained and last in trained and last > 0:
+        fix = ("set sde.timestep_fraction=0.99 (as the flow_grpo preset does: the step is still sampled with "
+               "noise) or raise sde.min_std (it becomes an ODE step)") if len(trained) > 1 else (
+               "it is the only step trained here: start sde.window earlier")  # fmt: skip
         out.append(
             f"sampler={cfg.sampler} trains the last step (t_1 -> 0, the smallest std of the grid), which "
             f"Flow-GRPO never trains: its log-prob gradient scales as 1/std and can outweigh every other "
-            f"step; set sde.timestep_fraction=0.99 (as the flow_grpo preset does: the step is still sampled "
-            f"with noise) or raise sde.min_std (it becomes an ODE step)"
+            f"step; {fix}"
         )
     if cfg.credit in ("stepwise", "stepwise_per_step") and not cfg.rollout.same_latent:
         out.append(

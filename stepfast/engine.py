@@ -119,10 +119,11 @@ def init_distributed() -> Placement:
     """Join (or create) the process group; returns this process's placement."""
     import deepspeed
 
-    # ZeRO gathers its partitions through torch.distributed.all_gather_into_tensor, which torch
-    # deprecates: each rank warned once about DeepSpeed's call, which no setting of a run changes
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)  # fmt: skip
+    # ZeRO gathers its partitions through torch.distributed.all_gather_into_tensor (and ZeRO-3 reduces
+    # gradients through reduce_scatter_tensor), which torch deprecates: each rank warned once about
+    # DeepSpeed's own calls, which a run's settings cannot avoid
+    deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
     for lock, since in stale_build_locks():
         print(f"stepfast: warning: DeepSpeed's {SHM_OP} op has been locked for building since "

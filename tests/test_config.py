@@ -173,6 +173,11 @@ def test_bad_overrides_name_the_key(override, message):
     ("optim={lr: 1, group_size: 3}", "unknown config key 'optim.group_size'; did you mean 'rollout.group_size'?"),
     # in eval, Flow-GRPO's eval_ names: the evaluation's setting, not the rollout's
     ("eval.num_steps=40", "did you mean 'eval.steps' (Flow-GRPO's sample.eval_num_steps)?"),
+    # a Flow-GRPO name that is ours too (in another section): named once
+    ("train.timestep_fraction=0.99", "unknown config key 'train'; did you mean 'sde.timestep_fraction' "
+                                     "(Flow-GRPO's train.timestep_fraction)?"),
+    ("timestep_fraction=0.99", "unknown config key 'timestep_fraction'; did you mean 'sde.timestep_fraction' "
+                               "(Flow-GRPO's train.timestep_fraction)?"),
     ("eval.guidance_scale=4", "did you mean 'eval.cfg' (Flow-GRPO's sample.eval_guidance_scale)?"),
     ("train.batch_size=2", "unknown config key 'train'; did you mean 'rollout.micro_batch' (Flow-GRPO's "
                            "train.batch_size) or 'reward.batch_size' or 'eval.batch_size'?"),
@@ -367,6 +372,9 @@ def test_training_the_last_step_is_warned_about():
     assert trained_steps(cfg)[-1] == 8 and config_warnings(cfg, trained_steps(cfg)) == []
     cfg = load_config("flow_grpo", ["sde.timestep_fraction=1.0", "sde.window=[0, 9]"])  # an ODE step: not trained
     assert trained_steps(cfg) == list(range(9)) and config_warnings(cfg, trained_steps(cfg)) == []
+    cfg = load_config("flow_grpo", ["sde.timestep_fraction=1.0", "sde.window=[9, 10]"])  # nothing else trained
+    (warning,) = config_warnings(cfg, trained_steps(cfg))
+    assert "timestep_fraction" not in warning and warning.endswith("the only step trained here: start sde.window earlier")
 
 
 def test_flow_grpo_trains_the_first_99_percent_of_the_steps_whatever_their_number():

@@ -165,7 +165,6 @@ def test_cuda_graph_engine_sees_conditioning_updated_in_place():
     torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_cuda_graph_engine_sees_weights_an_optimizer_step_changed(device):
     """The trainer captures the estimates once (on CUDA) and replays them every iteration after an
