@@ -200,6 +200,29 @@ def to_yaml(cfg) -> str:
     return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False)
 
 
+def changed_settings(before: Config, after: Config, ignore=("iterations", "resume", "output_dir")) -> list[str]:
+    """The settings `after` gives otherwise than `before`, one `key: old -> new` each, in the order
+    of the configuration, apart from `ignore` (those a resumed run changes as a matter of course)."""
+
+    def values(cfg) -> dict[str, Any]:
+        out = {}
+        for key in _dotted_keys():
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            out[key] = value
+        return out
+
+    old, new = values(before), values(after)
+    return [f"{key}: {_shown(old[key])} -> {_shown(new[key])}" for key in old
+            if key not in ignore and old[key] != new[key]]  # fmt: skip
+
+
+def _shown(value) -> str:
+    """A setting's value as YAML writes it inline (null, [0, 9], 0.001, shapeeval:train)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
 #: Flow-GRPO's names (config/base.py) for settings stepfast names otherwise, by the name's last part:
 #: (Flow-GRPO's key, stepfast's). A researcher coming from it types these first.
 FLOW_GRPO_NAMES = {

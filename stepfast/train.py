@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from stepfast import checkpoint, grpo, heldout, rewards
-from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
+from stepfast.config import ConfigError, changed_settings, config_warnings, load_config, to_dict, to_yaml
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
@@ -120,6 +120,7 @@ class Trainer:
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
                                     logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
+            self._keep_changed_settings()
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
@@ -192,6 +193,29 @@ class Trainer:
                     f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
                 )
         return [record.metadata["tag"] for record in self.prompts]
+
+    def _keep_changed_settings(self) -> None:
+        """A run resumed with other settings than its checkpoint's run was started with (that run's
+        config.yaml) says which; in this output_dir the old config.yaml is kept, as
+        config-until-<iteration>.yaml, before the new one replaces it."""
+        if self.resume_from is None:
+            return
+        saved = self.resume_from.parent.parent / "config.yaml"
+        if not saved.is_file():
+            return
+        try:
+            changed = changed_settings(load_config(str(saved)), self.cfg)
+        except ConfigError as exc:
+            changed = [f"(which this version cannot read: {exc})"]
+        if not changed:
+            return
+        kept = ""
+        if saved.resolve() == (self.out / "config.yaml").resolve():
+            keep = self.out / f"config-until-{self.start - 1:06d}.yaml"
+            write_atomically(keep, lambda tmp: tmp.write_bytes(saved.read_bytes()))
+            kept = f"; the settings before are kept in {keep}"
+        print(f"stepfast: warning: resumed from {self.resume_from} with other settings than those of {saved}: "
+              f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)
 
     def _resume_path(self) -> Path | None:
         """The checkpoint this run continues from: none, the newest complete one, or the one named."""

@@ -434,3 +434,17 @@ def test_ema_with_weights_on_nvme_is_refused_at_start():
     for fine in (["optim.zero_stage=3", "optim.ema=0", nvme],
                  ["optim.zero_stage=3", "optim.ema=0.9", nvme.replace("nvme,", "cpu,")]):  # fmt: skip
         load_config("default", fine)
+
+
+def test_changed_settings_name_each_key_with_both_values():
+    """What a resumed run says it changed: every setting but those a resume changes anyway, the
+    values as YAML writes them, in the configuration's order."""
+    from stepfast.config import changed_settings
+
+    before = load_config("flow_grpo", ["sde.window=[0, 9]", "sde.timestep_fraction=1.0", "reward.weights={shapes: 0.5}"])
+    after = load_config("flow_grpo", ["iterations=99", "output_dir=/elsewhere", "resume=auto", "optim.lr=0.001"])
+    assert changed_settings(before, after) == [
+        "sde.window: [0, 9] -> null", "sde.timestep_fraction: 1.0 -> 0.99", "optim.lr: 0.0003 -> 0.001",
+        "reward.weights: {shapes: 0.5} -> {shapes: 1.0}",
+    ]
+    assert changed_settings(after, after) == [] and changed_settings(before, after, ignore=())[0] == "iterations: 40 -> 99"

@@ -153,7 +153,8 @@ def test_resume_after_sigkill_is_exact(baseline, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert checkpoint.latest(out).name == "checkpoint-000002"
-    train(config, "resume=auto")
+    resumed = train(config, "resume=auto")
+    assert "other settings" not in resumed.stderr and not list(out.glob("config-until-*"))  # the same settings
     got, want = metrics(out), metrics(base_out)
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     skip = {k for k in want[0] if k.startswith("time/")}
@@ -175,9 +176,16 @@ def test_interrupted_checkpoint_write_leaves_previous_usable(baseline, tmp_path)
     assert checkpoint.latest(out).name == "checkpoint-000004"
     cfg = yaml.safe_load(config.read_text())
     cfg["output_dir"] = str(out)
-    train(write_config(tmp_path / "cfg.yaml", cfg), "resume=auto", "iterations=5")
+    saved = (out / "config.yaml").read_text()
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), "resume=auto", "iterations=5", "optim.lr=0.01")
     assert [r["iteration"] for r in metrics(out)] == [1, 2, 3, 4, 5]
     assert not partial.exists()
+    # resumed with another learning rate: said, and the settings of iterations 1-4 kept beside the new ones
+    kept = out / "config-until-000004.yaml"
+    assert (f"stepfast: warning: resumed from {out / 'checkpoints' / 'checkpoint-000004'} with other settings than "
+            f"those of {out / 'config.yaml'}: optim.lr: 0.03 -> 0.01. The run goes on with these; the settings "
+            f"before are kept in {kept}") in proc.stderr, proc.stderr[-3000:]
+    assert kept.read_text() == saved and load_config(str(out / "config.yaml")).optim.lr == 0.01
 
 
 def test_saved_lora_loads_and_changes_samples(baseline, model_dir):
