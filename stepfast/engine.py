@@ -55,11 +55,18 @@ def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = Non
     """Whether DeepSpeed's shared-memory op is built from `source` (its install's `ops/csrc`): the
     library is there and its build file compiles that source (a path of its own, not the tail of
     another). Another install (another venv, or the same one reached through another path) rebuilds
-    it, for about a minute on 2 cores, when the process group starts."""
+    it, for about a minute on 2 cores, when the process group starts. A build under way (its lock
+    held, or its build file newer than the library, which torch rewrites first) is not one: another
+    rank of the same run may have begun it a moment before this one looks."""
     pattern = re.compile(rf"(?:^|[\s=]|-I){re.escape(os.fspath(source))}/", re.MULTILINE)
+
+    def finished(build: Path) -> bool:
+        library = build.parent / f"{SHM_OP}.so"
+        return (library.is_file() and library.stat().st_mtime >= build.stat().st_mtime
+                and not (build.parent / "lock").exists())  # fmt: skip
+
     try:
-        builds = _shm_op_files(root, "build.ninja")
-        return any((b.parent / f"{SHM_OP}.so").is_file() and pattern.search(b.read_text()) for b in builds)
+        return any(finished(b) and pattern.search(b.read_text()) for b in _shm_op_files(root, "build.ninja"))
     except OSError:
         return False
 

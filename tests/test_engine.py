@@ -43,23 +43,42 @@ def test_only_an_old_lock_of_the_shm_op_is_stale(tmp_path):
 
 def test_the_shm_op_counts_as_built_only_from_this_install(tmp_path):
     """The trainer says a build is coming (a silent minute otherwise) unless the library is there and
-    was built from this DeepSpeed install's sources."""
+    was built from this DeepSpeed install's sources, and no build of it is under way."""
     ours, theirs = "/venv/a/deepspeed/ops/csrc", "/venv/b/deepspeed/ops/csrc"
     assert not shm_op_built(ours, tmp_path / "none")
     for folder in ("py311_cpu", ""):  # the default root's layout, and $TORCH_EXTENSIONS_DIR's
         root = tmp_path / (folder or "direct")
         op = root / folder / SHM_OP
         op.mkdir(parents=True)
+        library = op / f"{SHM_OP}.so"
+
+        def built(text: str) -> None:  # a finished build: torch writes the build file, then links
+            (op / "build.ninja").write_text(text)
+            then = (op / "build.ninja").stat().st_mtime + 1
+            library.write_bytes(b"\x7fELF")
+            os.utime(library, (then, then))
+
         (op / "build.ninja").write_text(f"cflags = -I{ours}/cpu/includes -fPIC\n")
         assert not shm_op_built(ours, root)  # a build begun, never finished
-        (op / f"{SHM_OP}.so").write_bytes(b"\x7fELF")
+        built(f"cflags = -I{ours}/cpu/includes -fPIC\n")
         assert shm_op_built(ours, root)
         assert not shm_op_built(theirs, root)  # another venv's build: rebuilt for this one
         copy = f"/copy{ours}"
-        (op / "build.ninja").write_text(f"cflags = -I{copy}/cpu/includes\nbuild shm.o: compile {copy}/x.cpp\n")
+        built(f"cflags = -I{copy}/cpu/includes\nbuild shm.o: compile {copy}/x.cpp\n")
         assert not shm_op_built(ours, root)  # another checkout whose path ends in this one's
-        (op / "build.ninja").write_text(f"build shm.o: compile {ours}/cpu/comm/shm.cpp\n")
+        built(f"build shm.o: compile {ours}/cpu/comm/shm.cpp\n")
         assert shm_op_built(ours, root)
+        # a build under way: another rank of the run began it a moment before (torch writes the build
+        # file first and holds the lock while it compiles), another install's library still there
+        built(f"cflags = -I{theirs}/cpu/includes\n")
+        (op / "build.ninja").write_text(f"cflags = -I{ours}/cpu/includes\n")  # rewritten for this install
+        os.utime(op / "build.ninja", (library.stat().st_mtime + 1,) * 2)
+        assert not shm_op_built(ours, root)
+        built(f"cflags = -I{ours}/cpu/includes\n")
+        assert shm_op_built(ours, root)
+        (op / "lock").touch()
+        assert not shm_op_built(ours, root)
+        (op / "lock").unlink()
 
 
 def first_line_with(marker: str, extensions: Path, out: Path) -> str | None:
