@@ -220,7 +220,8 @@ def changed_settings(before: Config, after: Config, ignore=("iterations", "resum
 
 def _shown(value) -> str:
     """A setting's value as YAML writes it inline (null, [0, 9], 0.001, shapeeval:train)."""
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+    text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=10**6)
+    return text.strip().removesuffix("...").strip()
 
 
 #: Flow-GRPO's names (config/base.py) for settings stepfast names otherwise, by the name's last part:

@@ -132,14 +132,15 @@ def init_distributed() -> Placement:
     deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
     warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
-    for lock, since in stale_build_locks():
+    stale = stale_build_locks()
+    if not stale and os.environ.get("RANK", "0") == "0" and shm_op_will_build():  # (a stale lock is waited on)
+        print(f"stepfast: DeepSpeed builds its CPU all-reduce op ({SHM_OP}) for this environment before the "
+              "run starts: about a minute, once", file=sys.stderr, flush=True)  # fmt: skip
+    for lock, since in stale:
         print(f"stepfast: warning: DeepSpeed's {SHM_OP} op has been locked for building since "
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(since))}, and DeepSpeed waits for the lock "
               f"without end. If no other process is building it, a killed start left the lock: delete "
               f"{lock}", file=sys.stderr, flush=True)  # fmt: skip
-    if os.environ.get("RANK", "0") == "0" and shm_op_will_build():
-        print(f"stepfast: DeepSpeed builds its CPU all-reduce op ({SHM_OP}) for this environment before the "
-              "run starts: about a minute, once", file=sys.stderr, flush=True)  # fmt: skip
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

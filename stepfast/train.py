@@ -195,24 +195,32 @@ class Trainer:
         return [record.metadata["tag"] for record in self.prompts]
 
     def _keep_changed_settings(self) -> None:
-        """A run resumed with other settings than its checkpoint's run was started with (that run's
-        config.yaml) says which; in this output_dir the old config.yaml is kept, as
-        config-until-<iteration>.yaml, before the new one replaces it."""
+        """A run resumed with other settings than those the checkpoint's iterations ran with (its run's
+        config.yaml, or the config-until-<iteration>.yaml an earlier resume kept) says which; in this
+        output_dir the old settings are kept, as config-until-<iteration>.yaml, before the new
+        config.yaml replaces them. A warning only: nothing here stops the run."""
         if self.resume_from is None:
             return
-        saved = self.resume_from.parent.parent / "config.yaml"
+        checkpoints = self.resume_from.resolve().parent
+        if checkpoints.name != "checkpoints":  # a checkpoint moved out of its run: no settings to compare
+            return
+        here = checkpoints.parent.resolve() == self.out.resolve()
+        kept_name = f"config-until-{self.start - 1:06d}.yaml"
+        keep = self.out / kept_name
+        until = checkpoints.parent / kept_name
+        saved = until if until.is_file() else checkpoints.parent / "config.yaml"
         if not saved.is_file():
             return
         try:
             changed = changed_settings(load_config(str(saved)), self.cfg)
-        except ConfigError as exc:
+        except Exception as exc:  # noqa: BLE001 (an unreadable file is reported, not fatal)
             changed = [f"(which this version cannot read: {exc})"]
         if not changed:
             return
         kept = ""
-        if saved.resolve() == (self.out / "config.yaml").resolve():
-            keep = self.out / f"config-until-{self.start - 1:06d}.yaml"
-            write_atomically(keep, lambda tmp: tmp.write_bytes(saved.read_bytes()))
+        if here:
+            if not keep.is_file():
+                write_atomically(keep, lambda tmp: tmp.write_bytes(saved.read_bytes()))
             kept = f"; the settings before are kept in {keep}"
         print(f"stepfast: warning: resumed from {self.resume_from} with other settings than those of {saved}: "
               f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)

@@ -662,6 +662,52 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
+def test_changed_settings_are_compared_with_those_the_checkpoints_iterations_ran_with(tmp_path, capsys):
+    """Trainer._keep_changed_settings in-process: a second resume from the same checkpoint compares
+    with (and keeps) the settings iterations 1-4 ran with, not those of the attempt between; a
+    checkpoint of another output_dir is compared, nothing kept here; one moved out of its run's
+    checkpoints folder has no settings to compare; an unreadable file is a warning, not an error."""
+    from types import SimpleNamespace
+
+    from stepfast.config import to_yaml
+    from stepfast.train import Trainer
+
+    def resume(out: Path, checkpoint: Path, *overrides: str) -> str:
+        cfg = load_config("default", [f"output_dir={out}", *overrides])
+        Trainer._keep_changed_settings(SimpleNamespace(resume_from=checkpoint, out=out, start=5, cfg=cfg))
+        (out / "config.yaml").write_text(to_yaml(cfg))  # as the trainer then writes it
+        return capsys.readouterr().err
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "checkpoint-000004"
+    ckpt.mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(load_config("default", [f"output_dir={run}", "optim.lr=0.03"])))
+    original = (run / "config.yaml").read_text()
+    assert "optim.lr: 0.03 -> 0.01" in resume(run, ckpt, "optim.lr=0.01")
+    assert "optim.lr: 0.03 -> 0.02" in resume(run, ckpt, "optim.lr=0.02")  # that attempt died before checkpoint 5
+    assert (run / "config-until-000004.yaml").read_text() == original
+    assert resume(run, ckpt, "optim.lr=0.03") == ""  # back to the settings iterations 1-4 ran with
+
+    other = tmp_path / "other"
+    other.mkdir()
+    err = resume(other, ckpt, "optim.lr=0.05")  # that run's settings of iterations 1-4; nothing kept here
+    until = run / "config-until-000004.yaml"
+    assert f"than those of {until}: optim.lr: 0.03 -> 0.05. The run goes on with these\n" in err
+    assert not list(other.glob("config-until-*"))
+    (run / "config-until-000004.yaml").unlink()  # a run resumed without changes has none: its config.yaml
+    (run / "config.yaml").write_text(original)
+    assert f"than those of {run / 'config.yaml'}: optim.lr: 0.03 -> 0.04." in resume(other, ckpt, "optim.lr=0.04")
+    (run / "config-until-000004.yaml").write_text(original)
+
+    moved = tmp_path / "moved" / "checkpoint-000004"
+    moved.mkdir(parents=True)
+    (moved.parent.parent / "config.yaml").write_text("an unrelated file")
+    assert resume(other, moved, "optim.lr=0.06") == ""
+
+    (run / "config-until-000004.yaml").write_bytes(b"\xff\xfe not yaml")
+    assert "(which this version cannot read: " in resume(run, ckpt, "optim.lr=0.07")
+
+
 @pytest.mark.parametrize("damage, overrides, message", [
     ("engine", [], "is marked complete but has no engine"),
     ("rng", [], "holds optimizer shards of 1 rank(s) and RNG files of ranks none (a damaged checkpoint)"),
