@@ -448,3 +448,6 @@ def test_changed_settings_name_each_key_with_both_values():
         "reward.weights: {shapes: 0.5} -> {shapes: 1.0}",
     ]
     assert changed_settings(after, after) == [] and changed_settings(before, after, ignore=())[0] == "iterations: 40 -> 99"
+    # a string that reads as a number is quoted, as config.yaml writes it
+    assert changed_settings(load_config("flow_grpo"), load_config("flow_grpo", ["log.wandb_project='1e3'"])) == [
+        "log.wandb_project: stepfast -> '1e3'"]
