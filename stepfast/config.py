@@ -203,19 +203,8 @@ def to_yaml(cfg) -> str:
 def changed_settings(before: Config, after: Config, ignore=("iterations", "resume", "output_dir")) -> list[str]:
     """The settings `after` gives otherwise than `before`, one `key: old -> new` each, in the order
     of the configuration, apart from `ignore` (those a resumed run changes as a matter of course)."""
-
-    def values(cfg) -> dict[str, Any]:
-        out = {}
-        for key in _dotted_keys():
-            value = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            out[key] = value
-        return out
-
-    old, new = values(before), values(after)
-    return [f"{key}: {_shown(old[key])} -> {_shown(new[key])}" for key in old
-            if key not in ignore and old[key] != new[key]]  # fmt: skip
+    pairs = ((key, _get_dotted(before, key), _get_dotted(after, key)) for key in _dotted_keys() if key not in ignore)
+    return [f"{key}: {_shown(old)} -> {_shown(new)}" for key, old, new in pairs if old != new]
 
 
 def _shown(value) -> str:

@@ -204,11 +204,9 @@ class Trainer:
         checkpoints = self.resume_from.resolve().parent
         if checkpoints.name != "checkpoints":  # a checkpoint moved out of its run: no settings to compare
             return
-        here = checkpoints.parent.resolve() == self.out.resolve()
-        kept_name = f"config-until-{self.start - 1:06d}.yaml"
-        keep = self.out / kept_name
-        until = checkpoints.parent / kept_name
-        saved = until if until.is_file() else checkpoints.parent / "config.yaml"
+        run = checkpoints.parent
+        until = run / f"config-until-{self.start - 1:06d}.yaml"
+        saved = until if until.is_file() else run / "config.yaml"
         if not saved.is_file():
             return
         try:
@@ -218,10 +216,10 @@ class Trainer:
         if not changed:
             return
         kept = ""
-        if here:
-            if not keep.is_file():
-                write_atomically(keep, lambda tmp: tmp.write_bytes(saved.read_bytes()))
-            kept = f"; the settings before are kept in {keep}"
+        if run == self.out.resolve():  # this run's own settings: kept before config.yaml is replaced
+            if saved != until:
+                write_atomically(until, lambda tmp: tmp.write_bytes(saved.read_bytes()))
+            kept = f"; the settings before are kept in {until}"
         print(f"stepfast: warning: resumed from {self.resume_from} with other settings than those of {saved}: "
               f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)
 
