@@ -326,6 +326,7 @@ class Trainer:
         times["time/rewards"] = self._clock() - t0
 
         t0 = self._clock()
+        lr = float(self.scheduler.get_last_lr()[0])  # this iteration's (its first optimizer step's)
         stats = grpo.update(self.engine, cond, traj, adv, cfg, self.ema)
         times["time/update"] = self._clock() - t0
 
@@ -333,7 +334,7 @@ class Trainer:
         parts = {f"reward/{k}": float(v.mean()) for k, v in final.items() if has_a_mean(k)}
         metrics = {"reward": float(global_rewards[:, -1].mean()),
                    "reward_std": float(global_rewards[:, -1].std(correction=0)), **parts, **stats.summary(),
-                   "lr": float(self.scheduler.get_last_lr()[0]), **times}  # fmt: skip
+                   "lr": lr, **times}  # fmt: skip
         if self.stepwise:
             metrics.update({f"gain/{j}": float(g) for j, g in enumerate(grpo.gain_magnitudes(global_rewards))})
         metrics = reduce_stats(metrics, self.world, self.device)

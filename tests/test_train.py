@@ -98,10 +98,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model_dir, tmp_path_factory):
-    """A 4-iteration single-rank run, checkpoints at 2 and 4."""
+    """A 4-iteration single-rank run, checkpoints at 2 and 4, with a learning-rate warmup over the 4
+    iterations and an EMA, so that a resume from 2 has a scheduler and an EMA to restore."""
     tmp = tmp_path_factory.mktemp("baseline")
     out = tmp / "run"
-    config = write_config(tmp / "cfg.yaml", base_config(model_dir, out))
+    cfg = base_config(model_dir, out)
+    cfg["optim"].update(warmup=4, ema=0.9)
+    config = write_config(tmp / "cfg.yaml", cfg)
     train(config)
     return config, out
 
@@ -111,12 +114,17 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        # on-policy: the first micro-step of every iteration recomputes the rollout's log-probs exactly
+        # on-policy: the first micro-step of every iteration recomputes the rollout's log-probs exactly;
+        # with one optimizer step per iteration, at its end, so does every other (the gradients of all
+        # the micro-steps accumulate in the engine)
         assert r["first_ratio_min"] == 1.0 and r["first_ratio_max"] == 1.0
+        assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
         for phase in ("rollout", "estimates", "rewards", "update"):
             assert r[f"time/{phase}"] > 0
         assert r["gain/0"] is not None
     assert rows[-1]["reward"] != rows[0]["reward"]
+    # the learning rate each iteration trained with: a quarter more of it at each of the 4 warmup iterations
+    assert [r["lr"] for r in rows] == pytest.approx([3e-2 * k / 4 for k in (1, 2, 3, 4)], rel=1e-12)
     # the default prompts carry GenEval tags: each iteration logs the reward of the categories it drew,
     # and the groups' category rewards average back to the batch reward
     cfg = yaml.safe_load(config.read_text())
@@ -137,6 +145,8 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
 
 
 def test_resume_after_sigkill_is_exact(baseline, tmp_path):
+    from safetensors.torch import load_file
+
     config, base_out = baseline
     out = tmp_path / "run"
     cfg = yaml.safe_load(config.read_text())
@@ -157,11 +167,16 @@ def test_resume_after_sigkill_is_exact(baseline, tmp_path):
     assert "other settings" not in resumed.stderr and not list(out.glob("config-until-*"))  # the same settings
     got, want = metrics(out), metrics(base_out)
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    assert want[2]["lr"] < want[3]["lr"]  # iteration 3 still warms up: the scheduler's state matters
     skip = {k for k in want[0] if k.startswith("time/")}
     for it in (2, 3):  # iterations 3 and 4
         for key in want[it]:
             if key not in skip:
                 assert got[it][key] == want[it][key], (it + 1, key, got[it][key], want[it][key])
+    # the EMA went on from the checkpoint's, not from the weights of iteration 2
+    ema = [load_file(run / "checkpoints" / "checkpoint-000004" / "lora_ema" / "pytorch_lora_weights.safetensors")
+           for run in (out, base_out)]  # fmt: skip
+    assert ema[0].keys() == ema[1].keys() and all(torch.equal(ema[0][k], ema[1][k]) for k in ema[1])
 
 
 def test_interrupted_checkpoint_write_leaves_previous_usable(baseline, tmp_path):
