@@ -127,7 +127,7 @@ def held_out_gain(evals: dict) -> dict | None:
 
 
 def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, after: dict | None, cfg) -> Path:
-    from stepfast.heldout import markdown_table, sample_grid
+    from stepfast.heldout import markdown_table
 
     report = Path(out) / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -161,12 +161,26 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
                       "training seed spread on top of it.", ""]  # fmt: skip
     for tag, result in (("before", before), ("after", after)):
         if result is not None and "images" in result:
-            grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
-                               max_rows=cfg.log.grid_prompts)  # fmt: skip
-            grid.save(report / f"samples_{tag}.png")
+            save_grid(out, tag, result, cfg)
             lines += grid_link(tag)
+        elif tag == "before" and (report / "samples_before.png").is_file():
+            lines += grid_link(tag)  # drawn at the start of a run that was stopped and resumed since
     (report / "summary.md").write_text("\n".join(lines))
     return report
+
+
+def save_grid(out: Path, tag: str, result: dict, cfg) -> Path:
+    """report/samples_{tag}.png of an evaluation kept with its images. The trainer saves the grid
+    before training as soon as it is drawn, so that the report of a resumed run still shows it."""
+    from stepfast.heldout import sample_grid
+    from stepfast.files import write_atomically
+
+    grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
+                       max_rows=cfg.log.grid_prompts)  # fmt: skip
+    path = Path(out) / "report" / f"samples_{tag}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda tmp: grid.save(tmp, format="PNG"))
+    return path
 
 
 def grid_link(tag: str) -> list[str]:

@@ -399,13 +399,19 @@ class Trainer:
         before = None
         if cfg.eval.before_after and "before" not in self.evals:
             before = self.evaluate("before", keep_images=True)
+            if self.main and cfg.log.report:  # saved now: a resumed run's report shows it too
+                from stepfast.report import save_grid
+
+                save_grid(self.out, "before", before, cfg)
         bar = tqdm(range(self.start, cfg.iterations + 1), initial=self.start - 1, total=cfg.iterations,
                    desc="train", unit="it", disable=not self.main, dynamic_ncols=True)  # fmt: skip
         it = self.start - 1
         try:
             for it in bar:
                 metrics = self.iteration(it)
-                if cfg.eval.every and it % cfg.eval.every == 0 and it != cfg.iterations:
+                # the last iteration's weights are evaluated after training, when that evaluation runs
+                last_is_after = it == cfg.iterations and cfg.eval.before_after
+                if cfg.eval.every and it % cfg.eval.every == 0 and not last_is_after:
                     result = self.evaluate(eval_tag(it))
                     metrics["eval/strict"] = result["overall"]["strict"]
                     metrics["eval/score"] = result["overall"]["score"]

@@ -469,6 +469,53 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         assert np.abs(grids[0] - grids[1]).mean() < 1.0, tag
 
 
+SMALL_EVAL = {"prompts": "shapeeval:test", "reward": "train_helpers:brightness_eval", "limit": 3, "seeds": 1,
+              "min_images": 0, "steps": 2, "batch_size": 3}  # fmt: skip
+
+
+def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_path):
+    """eval.every evaluates between iterations (not the last one, which the evaluation after training
+    covers), and a run resumed after the evaluation before training still shows its sample grid."""
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=1, eval={**SMALL_EVAL, "before_after": True, "every": 1},
+                      log={"tensorboard": False, "report": True})  # fmt: skip
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    train(config)
+    report = out / "report"
+    grid = (report / "samples_before.png").read_bytes()
+    (report / "summary.md").unlink()  # as if the run had stopped before writing its report
+    train(config, "resume=auto", "iterations=3")
+    rows = metrics(out)
+    assert [r["eval/strict"] is not None for r in rows] == [False, True, False]
+    evaluated = json.loads((out / "eval_iter000002.json").read_text())
+    assert rows[1]["eval/strict"] == evaluated["overall"]["strict"]
+    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_after.json", "eval_before.json",
+                                                                "eval_iter000002.json"]  # fmt: skip
+    summary = (report / "summary.md").read_text()
+    assert "![before](samples_before.png)" in summary and "![after](samples_after.png)" in summary
+    assert (report / "samples_before.png").read_bytes() == grid  # drawn once, before training
+
+
+def test_kl_two_updates_per_iteration_and_a_last_evaluation_without_one_after(model_dir, tmp_path):
+    """optim.beta > 0 (the SD3.5 presets' KL to the adapter-free reference) and two optimizer steps per
+    iteration through the real engine; with eval.before_after off, eval.every evaluates the last
+    iteration too."""
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=2, checkpoint_every=0, eval={**SMALL_EVAL, "every": 2},
+                      optim={"lr": 3e-2, "clip_range": 0.2, "updates_per_iteration": 2, "beta": 0.5},
+                      log={"tensorboard": False, "report": False})  # fmt: skip
+    train(write_config(tmp_path / "cfg.yaml", cfg))
+    rows = metrics(out)
+    for r in rows:
+        assert r["first_ratio_min"] == 1.0 == r["first_ratio_max"]
+        # the micro-steps after the first of the two optimizer steps see weights it moved
+        assert (r["ratio_min"], r["ratio_max"]) != (1.0, 1.0)
+        # the LoRA's B starts at zero: the policy is its reference until the first step moves it away
+        assert r["kl"] > 0
+    assert [r["eval/strict"] is not None for r in rows] == [False, True]
+    assert (out / "eval_iter000002.json").is_file() and not (out / "eval_after.json").exists()
+
+
 @pytest.mark.parametrize("trained", ["train_helpers:ScaledBrightness", "train_helpers:brightness"])
 def test_eval_reward_gets_its_options_and_may_have_no_strict(model_dir, tmp_path, trained):
     """As the SD3.5 presets' eval rewards: options from reward.options, whether the eval reward is
