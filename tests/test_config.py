@@ -21,6 +21,8 @@ def test_default_and_flow_grpo_presets():
     assert (flow.credit, flow.sampler, flow.sde.noise_level) == ("flow_grpo", "flow_sde", 0.7)
     assert flow.sde.window is None and flow.sde.timestep_fraction == 0.99 and not flow.rollout.same_latent
     assert flow.optim.clip_range == 1e-4 and flow.credit_opts.adv_clip == 5.0
+    assert flow.credit_opts.global_std is False  # per-prompt statistics
+    assert flow.model.lora_targets == FLOW_GRPO_LORA_TARGETS
     # same model, batch and budget
     for key in ("iterations",):
         assert getattr(flow, key) == getattr(default, key)
@@ -28,11 +30,23 @@ def test_default_and_flow_grpo_presets():
         default.model.path, default.rollout.groups, default.rollout.group_size, default.sde.steps)
 
 
+# Flow-GRPO's LoRA targets on SD3: the attention projections of both streams
+FLOW_GRPO_LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                          "attn.to_out.0", "attn.to_q", "attn.to_v"]  # fmt: skip
+
+
 def test_sd3_presets_follow_method_defaults():
-    cfg = load_config("sd3_medium_geneval")
-    assert (cfg.rollout.resolution, cfg.sde.steps, cfg.eval.steps, cfg.rollout.cfg) == (512, 10, 40, 4.5)
-    assert (cfg.rollout.group_size, cfg.rollout.groups, cfg.model.lora_rank, cfg.model.lora_alpha) == (24, 48, 32, 64)
-    assert cfg.optim.beta == 0.04 and load_config("sd3_medium_pickscore").optim.beta == 0.01
+    """METHOD.md's SD3.5-M defaults: 512 px, 10 train / 40 eval steps, CFG 4.5, group 24, 48 groups,
+    LoRA r 32 alpha 64 on the attention projections, AdamW lr 3e-4, grad clip 1, EMA, 2 optimizer steps
+    per iteration; beta 0.04 (GenEval) or 0.01 (PickScore)."""
+    for name, beta in (("sd3_medium_geneval", 0.04), ("sd3_medium_pickscore", 0.01)):
+        cfg = load_config(name)
+        assert (cfg.rollout.resolution, cfg.sde.steps, cfg.eval.steps, cfg.rollout.cfg) == (512, 10, 40, 4.5), name
+        assert (cfg.rollout.group_size, cfg.rollout.groups, cfg.model.lora_rank, cfg.model.lora_alpha) == (
+            24, 48, 32, 64), name  # fmt: skip
+        assert cfg.model.lora and cfg.model.lora_targets == FLOW_GRPO_LORA_TARGETS, name
+        assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.optim.updates_per_iteration) == (3e-4, 1.0, 2), name
+        assert cfg.optim.ema > 0 and cfg.optim.beta == beta, name
 
 
 def test_dotted_overrides_and_types():

@@ -1,5 +1,7 @@
 """The policy's velocity call: what the SD3 transformer is given."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -104,6 +106,17 @@ def test_lora_targets_that_match_no_module_are_named(tmp_path):
 
     cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", "model.lora_targets=[attn.to_qq]"])
     with pytest.raises(ValueError, match=r"model.lora_targets=\['attn.to_qq'\]: .*not found"):
+        load_policy_pipeline(cfg.model, torch.device("cpu"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xformers") is not None and torch.cuda.is_available(),
+                    reason="xformers can run here")  # fmt: skip
+def test_xformers_where_it_cannot_run_is_a_clear_error(tmp_path):
+    from stepfast.config import load_config
+    from stepfast.policy import load_policy_pipeline
+
+    cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", "model.attention=xformers"])
+    with pytest.raises(ValueError, match=r"model.attention=xformers, but xformers cannot be used here: ."):
         load_policy_pipeline(cfg.model, torch.device("cpu"))
 
 
