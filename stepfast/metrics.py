@@ -36,7 +36,9 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_from + 1)
         if wandb:
-            self.wandb = wandb_module.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
+            self.wandb = wandb_module.init(project=wandb_project, config=config, dir=str(output_dir),
+                                           id=wandb_run_id(output_dir, wandb_module, resume_from > 0),
+                                           resume="allow")  # fmt: skip
 
     def log(self, iteration: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -86,6 +88,23 @@ def import_wandb():
     except ImportError as exc:
         raise ImportError("log.wandb=true, but wandb is not installed: pip install 'stepfast[wandb]'") from exc
     return wandb
+
+
+WANDB_RUN_ID = "wandb_run_id"
+
+
+def wandb_run_id(output_dir, wandb_module, resuming: bool) -> str:
+    """The W&B run id of the run in output_dir: made and kept in output_dir/wandb_run_id when the run
+    starts from its first iteration, read back when it resumes, so that a resumed run logs on in the
+    W&B run it began (W&B ignores the points it gets again for iterations it already has)."""
+    path = Path(output_dir) / WANDB_RUN_ID
+    if resuming and path.is_file():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    run_id = wandb_module.util.generate_id()
+    write_atomically(path, lambda tmp: tmp.write_text(run_id + "\n"))
+    return run_id
 
 
 def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:

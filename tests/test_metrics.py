@@ -45,3 +45,28 @@ def test_resume_purges_the_tensorboard_points_after_the_checkpoint(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.5), (2, 0.25), (3, 1.0)]
+
+
+def test_a_resumed_run_logs_on_in_the_wandb_run_it_began(tmp_path, monkeypatch):
+    """The W&B run id is kept in output_dir/wandb_run_id: a resume passes it again, a run that starts
+    from its first iteration (after a failed start, say) gets a new one."""
+    import sys
+    import types
+
+    calls, ids = [], iter(["first", "second"])
+    run = types.SimpleNamespace(log=lambda values, step: None, finish=lambda: None)
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or run,
+                                 util=types.SimpleNamespace(generate_id=lambda: next(ids)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def start(resume_from):
+        logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, wandb=True, resume_from=resume_from)
+        logger.log(resume_from + 1, {"reward": 0.5})
+        logger.close()
+        return calls[-1]["id"], calls[-1]["resume"]
+
+    assert start(0) == ("first", "allow")
+    assert (tmp_path / "wandb_run_id").read_text() == "first\n"
+    assert start(1) == ("first", "allow")  # resumed: the same W&B run
+    assert start(0) == ("second", "allow")  # begun again: a new one, kept for its resumes
+    assert start(1) == ("second", "allow")
