@@ -498,13 +498,15 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
 
 def test_kl_two_updates_per_iteration_and_a_last_evaluation_without_one_after(model_dir, tmp_path):
     """optim.beta > 0 (the SD3.5 presets' KL to the adapter-free reference) and two optimizer steps per
-    iteration through the real engine; with eval.before_after off, eval.every evaluates the last
-    iteration too."""
+    iteration through a real engine (ZeRO-1, which no other run here builds); with eval.before_after
+    off, eval.every evaluates the last iteration too."""
     out = tmp_path / "run"
     cfg = base_config(model_dir, out, iterations=2, checkpoint_every=0, eval={**SMALL_EVAL, "every": 2},
-                      optim={"lr": 3e-2, "clip_range": 0.2, "updates_per_iteration": 2, "beta": 0.5},
+                      optim={"lr": 3e-2, "clip_range": 0.2, "updates_per_iteration": 2, "beta": 0.5,
+                             "zero_stage": 1},
                       log={"tensorboard": False, "report": False})  # fmt: skip
-    train(write_config(tmp_path / "cfg.yaml", cfg))
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert ", ZeRO-1, " in proc.stdout, proc.stdout[-2000:]
     rows = metrics(out)
     for r in rows:
         assert r["first_ratio_min"] == 1.0 == r["first_ratio_max"]
