@@ -1,7 +1,10 @@
 """Rebuild the embedded model: a tiny SD3 pipeline pretrained on ShapeEval scenes.
 
-    python -m stepfast.pretrain [--out DIR] [--steps N] [--vae-steps N] [--device cpu|cuda] [--seed 0]
-                                [--threads 1] [--snapshot-every N] [--vae DIR]
+    python -m stepfast.pretrain [--out DIR] [--overwrite] [--steps N] [--vae-steps N] [--device cpu|cuda]
+                                [--seed 0] [--threads 1] [--snapshot-every N] [--vae DIR]
+
+Without --out it rebuilds the shipped model in place, which, as any --out that holds a pipeline,
+takes --overwrite.
 
 Three phases, all drawing their data and noise from --seed (a rerun sees the same scenes, noise
 and captions; a rebuild on the same machine and libraries wrote byte-identical weights, while another
@@ -302,10 +305,14 @@ def check_replaceable(path: Path, partial_ok: bool = False) -> None:
     )
 
 
-def check_out(out: Path, snapshots: bool) -> None:
+def check_out(out: Path, snapshots: bool, overwrite: bool = False) -> None:
     """Before any training: a ValueError naming the path when the pipeline could not be written
-    to `out` (or its snapshots to OUT-snapshots/step-N) without deleting what is not a pipeline."""
+    to `out` (or its snapshots to OUT-snapshots/step-N) without deleting what is not a pipeline, or
+    when `out` holds a pipeline and `overwrite` was not given."""
     check_replaceable(out)
+    if not overwrite and (out / "model_index.json").exists():
+        raise ValueError(f"{out} holds a pipeline already; give --overwrite to replace it (the run writes it "
+                         "only once trained), or another --out")  # fmt: skip
     check_creatable_dir(out)
     check_creatable_dir(out.absolute().parent)  # the pipeline is written next to `out`, then renamed in
     for suffix in (".tmp", ".old"):  # write_pipeline's working names next to `out`
@@ -336,7 +343,9 @@ def main(argv: list[str] | None = None) -> Path:
     defaults = PretrainConfig()
     parser = argparse.ArgumentParser(prog="python -m stepfast.pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=EMBEDDED_MODEL,
-                        help="output pipeline directory (default: the embedded model)")
+                        help="output pipeline directory (default: the embedded model, which needs --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the pipeline already in --out (only once the new one is written)")
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help="transformer training steps (default: %(default)s)")
     parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps,
@@ -363,8 +372,10 @@ def main(argv: list[str] | None = None) -> Path:
         steps=args.steps, vae_steps=args.vae_steps, batch_size=args.batch_size, pool_size=args.pool_size,
         snapshot_every=args.snapshot_every,
     )
-    if min(cfg.steps, cfg.vae_steps, cfg.batch_size, cfg.pool_size) < 1:
-        parser.error("--steps, --vae-steps, --batch-size and --pool-size must be positive")
+    for flag, value in (("--steps", cfg.steps), ("--vae-steps", cfg.vae_steps), ("--batch-size", cfg.batch_size),
+                        ("--pool-size", cfg.pool_size)):  # fmt: skip
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.snapshot_every < 0:
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"--device: {exc}")
     out = Path(args.out).resolve()
     try:
-        check_out(out, snapshots=cfg.snapshot_every > 0)
+        check_out(out, snapshots=cfg.snapshot_every > 0, overwrite=args.overwrite)
     except ValueError as exc:
         parser.error(f"--out: {exc}")
     if args.vae:  # checked before the minutes of setup, and never looked up on a hub

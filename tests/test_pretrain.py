@@ -67,7 +67,7 @@ def test_pretrain_names_a_bad_vae_directory_before_any_work(tmp_path, vae, messa
 
 
 def run_pretrain(*args):
-    cmd = [sys.executable, "-m", "stepfast.pretrain", *args, *TINY]
+    cmd = [sys.executable, "-m", "stepfast.pretrain", *TINY, *args]  # args last: they win over TINY's
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -77,6 +77,8 @@ def run_pretrain(*args):
     (["--seed", "-1"], "--seed must be >= 0 and below 2**63 (a 64-bit generator seed), got -1"),
     (["--seed", str(2**63)], f"--seed must be >= 0 and below 2**63 (a 64-bit generator seed), got {2**63}"),
     (["--snapshot-every", "-2"], "--snapshot-every must be >= 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--pool-size", "-3"], "--pool-size must be >= 1, got -3"),
     pytest.param(["--device", "cuda"], "--device: 'cuda': cuda is not available on this machine",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])  # fmt: skip
@@ -86,6 +88,20 @@ def test_pretrain_names_a_bad_option_before_any_work(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pretrain_replaces_a_pipeline_only_with_overwrite(tmp_path):
+    """A pipeline in --out (the shipped model, without --out) is a finished pretraining: replaced only
+    when asked, and refused before any work otherwise."""
+    from stepfast.models.tiny import tiny_pipeline_dir
+
+    model = tiny_pipeline_dir(tmp_path / "model", seed=0)
+    before = {p: p.read_bytes() for p in model.rglob("*") if p.is_file()}
+    proc = run_pretrain("--out", str(model))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--out: {model} holds a pipeline already; give --overwrite to replace it" in proc.stderr
+    assert {p: p.read_bytes() for p in model.rglob("*") if p.is_file()} == before
+    assert "--overwrite" in run_pretrain("--help").stdout
 
 
 def test_pretrain_refuses_to_replace_a_directory_that_is_not_a_pipeline(tmp_path):
@@ -125,7 +141,9 @@ def test_pretrain_may_replace_an_empty_directory_a_pipeline_or_an_interrupted_wr
     (tmp_path / "pipe.tmp" / "transformer").mkdir(parents=True)  # save_pretrained cut short
     (tmp_path / "pipe-snapshots" / "step-1").mkdir(parents=True)
     for name in ("empty", "pipe", "new"):
-        pretrain.check_out(tmp_path / name, snapshots=True)  # no error
+        pretrain.check_out(tmp_path / name, snapshots=True, overwrite=True)  # no error
+    for name in ("empty", "new"):
+        pretrain.check_out(tmp_path / name, snapshots=True)  # nothing to overwrite
     (tmp_path / "pipe.tmp" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="pipe.tmp exists and is not a diffusers pipeline directory"):
-        pretrain.check_out(tmp_path / "pipe", snapshots=False)
+        pretrain.check_out(tmp_path / "pipe", snapshots=False, overwrite=True)
