@@ -129,6 +129,12 @@ class Trainer:
         if self.cfg.resume != "none":
             return
         held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
+        if held and checkpoint.latest(self.out) is None:
+            raise ConfigError(
+                f"output_dir {self.out} already holds a run ({', '.join(held)}) that stopped before its first "
+                "checkpoint: give another output_dir, or start it again there with resume=auto, which "
+                "replaces its metrics.csv"
+            )
         if held:
             raise ConfigError(
                 f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
@@ -249,14 +255,19 @@ class Trainer:
         path = self.resume_from
         if path is None:
             if self.main:
-                print(f"stepfast: resume=auto found no checkpoint in {self.out}; starting fresh")
+                replaced = " (replacing its metrics.csv)" if (self.out / "metrics.csv").exists() else ""
+                print(f"stepfast: resume=auto found no checkpoint in {self.out}; starting fresh{replaced}")
             return
         state = checkpoint.load(path, self.engine, self.rank)
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         self.start = state["iteration"] + 1
         self.evals = state.get("evals", {})
-        if self.main:
+        if self.main and self.start > self.cfg.iterations:
+            print(f"stepfast: resumed from {path} at iteration {self.start}: iterations={self.cfg.iterations} "
+                  "are done, nothing is left to train (raise iterations to train on); finishing the run's "
+                  "evaluation and report")  # fmt: skip
+        elif self.main:
             print(f"stepfast: resumed from {path} at iteration {self.start}")
 
     def save(self, iteration: int) -> Path:
@@ -442,6 +453,7 @@ class Trainer:
                 write_report(self.out, self.logger.rows, self.evals, before, after, cfg)
         self.logger.close()
         self.scorer.close()
+        last = last or self.resume_from  # nothing trained after the checkpoint resumed
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
 

@@ -477,7 +477,8 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     """eval.every evaluates between iterations (not the last one, which the evaluation after training
     covers), and a run resumed after the evaluation before training still shows its sample grid."""
     out = tmp_path / "run"
-    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=1, eval={**SMALL_EVAL, "before_after": True, "every": 1},
+    evaluation = {**SMALL_EVAL, "before_after": True, "every": 1}
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=1, eval=evaluation,
                       log={"tensorboard": False, "report": True})  # fmt: skip
     config = write_config(tmp_path / "cfg.yaml", cfg)
     train(config)
@@ -668,13 +669,32 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     assert_unchanged(out, files)
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_named_so(baseline, tmp_path):
+    """Nothing to continue from: the refusal does not send the user to resume=auto as if there were,
+    and resume=auto, which starts such a run again, says that it replaces the old metrics.csv."""
+    config, out, _ = copy_run(baseline, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    proc = train(config, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (f"output_dir {out} already holds a run (metrics.csv) that stopped before its first checkpoint: give "
+            "another output_dir, or start it again there with resume=auto, which replaces its metrics.csv"
+            ) in proc.stderr  # fmt: skip
+    assert_unchanged(out, files)
+    proc = train(config, "resume=auto", "iterations=1")
+    assert f"resume=auto found no checkpoint in {out}; starting fresh (replacing its metrics.csv)" in proc.stdout
+    assert [r["iteration"] for r in metrics(out)] == [1]
+
+
 def test_a_run_killed_after_its_last_checkpoint_finishes_on_resume(baseline, tmp_path):
     """Killed between the last checkpoint and the end (its report): resume=auto with the same
     iterations trains nothing more and writes what was left."""
     config, out, files = copy_run(baseline, tmp_path)
     shutil.rmtree(out / "report")
     proc = train(config, "resume=auto")
-    assert f"resumed from {out}/checkpoints/checkpoint-000004 at iteration 5" in proc.stdout
+    assert (f"resumed from {out}/checkpoints/checkpoint-000004 at iteration 5: iterations=4 are done, nothing is "
+            "left to train (raise iterations to train on)") in proc.stdout
+    assert f"stepfast: done; checkpoint {out}/checkpoints/checkpoint-000004" in proc.stdout
     assert (out / "report" / "summary.md").is_file()
     assert [r["iteration"] for r in metrics(out)] == [1, 2, 3, 4]  # no iteration trained again
     assert {p for p in files if "report" not in p.parts} <= {p for p in out.rglob("*") if p.is_file()}
