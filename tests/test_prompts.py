@@ -91,6 +91,13 @@ def test_bad_utf8_names_its_line(tmp_path):
     assert _error(path).startswith(f"{path}:3: not UTF-8")
 
 
+@pytest.mark.parametrize("name, first", [("x.txt", b"a red circle\n"), ("x.jsonl", b'{"prompt": "a red circle"}\n')])
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name, first):
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + first + first.replace(b"red", b"blue"))
+    assert [r.prompt for r in load_prompts(path)] == ["a red circle", "a blue circle"]
+
+
 def test_unknown_suffix_and_unknown_named_set(tmp_path):
     path = tmp_path / "prompts.csv"
     path.write_text("a\n")

@@ -40,11 +40,12 @@ def resolve_prompt_file(path_or_name: str | Path) -> Path:
 
 
 def numbered_lines(path: Path):
-    """(line number, text) of each line, decoding line by line so a bad byte names its line."""
+    """(line number, text) of each line, decoding line by line so a bad byte names its line; a byte
+    order mark opening the file (as some Windows editors save UTF-8) is not part of its first line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
