@@ -531,6 +531,10 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
 
 
+#: Credits whose statistics are over a group's members only (per step or per trajectory).
+GROUP_RELATIVE_CREDITS = ("flow_grpo", "stepwise_per_step", "turning_point")
+
+
 def _check_numbers(cfg: Config) -> None:
     """Counts, rates and scales: their signs, finiteness and the samplers' ranges."""
     positive = {
@@ -585,6 +589,12 @@ def _check_numbers(cfg: Config) -> None:
         raise ConfigError(f"sde.timestep_fraction must be in (0, 1], got {cfg.sde.timestep_fraction}")
     if not 0 <= cfg.optim.ema < 1:
         raise ConfigError(f"optim.ema must be in [0, 1), got {cfg.optim.ema}")
+    if cfg.rollout.group_size == 1 and cfg.credit in GROUP_RELATIVE_CREDITS:
+        raise ConfigError(
+            f"credit={cfg.credit} compares the members of a group, and rollout.group_size=1 leaves each "
+            "sample alone in its group: every advantage would be 0 and nothing would train; give "
+            "rollout.group_size >= 2 (credit=stepwise normalises over a group's steps as well)"
+        )
 
 
 def _check_model_and_rewards(cfg: Config) -> None:

@@ -133,6 +133,10 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("seed=-1", "seed must be >= 0, got -1"),
     ("sde.noise_level=.nan", "sde.noise_level must be >= 0, got nan"),
     ("sde.eta=3", "sde.eta must be at most 1"),
+    (["credit=flow_grpo", "rollout.group_size=1"], "credit=flow_grpo compares the members of a group, and "
+                                                   "rollout.group_size=1 leaves each sample alone in its group"),
+    (["credit=turning_point", "rollout.group_size=1"], "every advantage would be 0"),
+    (["credit=stepwise_per_step", "rollout.group_size=1"], "give rollout.group_size >= 2"),
     (["sampler=cps", "sde.noise_level=1.5"], "sde.noise_level must be at most 1 with sampler=cps"),
     ("rollout.cfg=-1", "rollout.cfg must be >= 0"),
     ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),

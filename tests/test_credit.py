@@ -166,3 +166,14 @@ def test_unknown_estimator_and_option():
         compute_advantages("stepwise", torch.zeros(1, 2, 3), global_std=True)
     with pytest.raises(ValueError, match="shape"):
         compute_advantages("stepwise", torch.zeros(2, 3))
+
+
+def test_the_credits_the_config_refuses_for_groups_of_one_give_them_no_advantage():
+    """config.GROUP_RELATIVE_CREDITS (refused with rollout.group_size=1) are exactly the credits whose
+    advantages are all 0 when each group holds one sample."""
+    from stepfast.config import GROUP_RELATIVE_CREDITS
+    from stepfast.credit import ESTIMATORS
+
+    rewards = torch.rand(3, 1, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    silent = {name for name in ESTIMATORS if not compute_advantages(name, rewards).any()}
+    assert silent == set(GROUP_RELATIVE_CREDITS)
