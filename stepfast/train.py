@@ -594,6 +594,8 @@ def main(argv=None) -> int:
         # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
         print(f"stepfast: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the trainer has said where it stopped; no traceback
+        return 130
     finally:
         # Left to the interpreter's exit, gloo's threads can abort the process ("terminate called
         # without an active exception", exit code 250 for the 2 of a named error) when a rank stops

@@ -179,6 +179,26 @@ def test_resume_after_sigkill_is_exact(baseline, tmp_path):
     assert ema[0].keys() == ema[1].keys() and all(torch.equal(ema[0][k], ema[1][k]) for k in ema[1])
 
 
+def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_path):
+    config, _ = baseline
+    out = tmp_path / "run"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output_dir"] = str(out)
+    cmd = [sys.executable, str(TRAIN), "--config", str(write_config(tmp_path / "cfg.yaml", cfg))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (out / "checkpoints" / "checkpoint-000002" / "COMPLETE").exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stepfast: training stopped at iteration " in stderr and ": KeyboardInterrupt" in stderr
+    assert f"stepfast: last checkpoint: {out / 'checkpoints' / 'checkpoint-00000'}" in stderr  # 2 (or 4 if late)
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_interrupted_checkpoint_write_leaves_previous_usable(baseline, tmp_path):
     config, base_out = baseline
     out = tmp_path / "run"
