@@ -36,6 +36,7 @@ from stepfast.models import (
     load_transformer,
     lora_weights_file,
 )
+from stepfast.policy import check_resolution
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -162,9 +163,11 @@ def main(argv: list[str] | None = None) -> dict:
         load_lora(pipe, args.lora)
     if args.transformer:
         load_transformer(pipe, args.transformer)
-    multiple = pipe.vae_scale_factor * pipe.patch_size
-    if args.size is not None and args.size % multiple:
-        parser.error(f"--size must be a multiple of {multiple} for this model, got {args.size}")
+    if args.size is not None:
+        try:
+            check_resolution(pipe, args.size, "--size")
+        except ValueError as exc:
+            parser.error(str(exc))
     result = heldout.evaluate(
         pipe, metadata, args.seeds, args.steps, args.cfg, min_images=args.min_images, batch_size=args.batch_size,
         size=args.size, keep_images=True, reward=reward,

@@ -127,6 +127,18 @@ def reference_policy(transformer):
         transformer.enable_adapters()
 
 
+def check_resolution(pipe, size: int, key: str) -> None:
+    """A ValueError naming `key` when the pipeline cannot draw size x size images: their side must be
+    a multiple of the VAE's factor times the transformer's patch, and their patches must fit in its
+    position embedding (pos_embed_max_size patches a side, when it has a largest size)."""
+    step = pipe.vae_scale_factor * pipe.patch_size
+    patches = pipe.transformer.config.get("pos_embed_max_size")
+    largest = patches * step if patches else None
+    if size % step or (largest is not None and size > largest):
+        most = f" up to {largest} px" if largest is not None else ""
+        raise ValueError(f"{key}={size}: this model draws images whose side is a multiple of {step} px{most}")
+
+
 def latent_shape(pipe, batch: int, resolution: int) -> tuple[int, ...]:
     scale = pipe.vae_scale_factor
     if resolution % scale:

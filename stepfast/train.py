@@ -35,7 +35,8 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.models import check_pipeline_dir
 from stepfast.policy import (
-    decode, encode_prompts, latent_shape, load_policy_pipeline, resolve_model_path, save_lora, save_transformer,
+    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, resolve_model_path, save_lora,
+    save_transformer,
 )
 from stepfast.report import eval_tag
 from stepfast.rewards import PromptError
@@ -98,6 +99,7 @@ class Trainer:
         self.eval_setup = self._eval_setup(prompts.eval) if cfg.eval.enabled else None
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
+        check_resolution(self.pipe, cfg.rollout.resolution, "rollout.resolution")  # before anything is written
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)

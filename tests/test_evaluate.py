@@ -436,7 +436,9 @@ def test_lora_and_transformer_are_one_or_the_other(tmp_path):
     (["--size", "-64"], "--size must be positive, got -64"),
     (["--cfg", "nan"], "--cfg must be a finite number, got nan"),
     (["--cfg", "inf"], "--cfg must be a finite number, got inf"),
-    (["--size", "60"], "--size must be a multiple of"),  # checked once the model is loaded
+    # checked once the model is loaded
+    (["--size", "60"], "--size=60: this model draws images whose side is a multiple of 8 px up to 64 px"),
+    (["--size", "72"], "--size=72: this model draws images whose side is a multiple of 8 px up to 64 px"),
     pytest.param(["--device", "cuda"], "--device: 'cuda': cuda is not available on this machine",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])  # fmt: skip

@@ -842,6 +842,9 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
 @pytest.mark.parametrize("overrides, message", [
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
     (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 and sde.timestep_fraction=1.0 trains no step"),
+    (["rollout.resolution=72"], "rollout.resolution=72: this model draws images whose side is a multiple of 8 px "
+     "up to 64 px"),  # its position embedding holds 8 x 8 patches
+    (["rollout.resolution=60"], "rollout.resolution=60: this model draws images whose side is a multiple of 8 px"),
     (["optim.updates_per_iteration=4"], "optim.updates_per_iteration=4 must divide the 6 backward passes of an "
      "iteration: 3 trained steps x 2 micro-batch(es) of rollout.micro_batch=4 from this rank's 8 samples"),
     (["reward.weights={remote: 1.0}", "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], "
