@@ -149,7 +149,7 @@ class Config:
     resume: str = "none"  # none | auto | a checkpoint directory
     seed: int = 0
     credit: str = "stepwise"  # flow_grpo | stepwise | stepwise_per_step | turning_point
-    sampler: str = "ddim"  # ode | flow_sde | cps | ddim
+    sampler: str = "ddim"  # flow_sde | cps | ddim (ode, deterministic, has nothing to train)
     checkpoint_every: int = 10  # iterations between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -529,6 +529,10 @@ def _check_choices(cfg: Config) -> None:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     if cfg.optim.zero_stage not in (1, 2, 3):
         raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
+    if cfg.sampler == "ode":
+        trainable = ", ".join(s for s in SAMPLERS if s != "ode")
+        raise ConfigError(f"sampler: 'ode' is deterministic, so no step has a log-probability to train (evaluation "
+                          f"samples with it); choose one of {trainable}")  # fmt: skip
 
 
 #: Credits whose statistics are over a group's members only (per step or per trajectory).

@@ -133,6 +133,7 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("seed=-1", "seed must be >= 0, got -1"),
     ("sde.noise_level=.nan", "sde.noise_level must be >= 0, got nan"),
     ("sde.eta=3", "sde.eta must be at most 1"),
+    ("sampler=ode", "sampler: 'ode' is deterministic, so no step has a log-probability to train"),
     (["credit=flow_grpo", "rollout.group_size=1"], "credit=flow_grpo compares the members of a group, and "
                                                    "rollout.group_size=1 leaves each sample alone in its group"),
     (["credit=turning_point", "rollout.group_size=1"], "every advantage would be 0"),
