@@ -8,6 +8,7 @@ ops, so the same code runs on any machine); ZeRO stage 1, 2 or 3 partitions its 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import json
 import os
@@ -201,6 +202,51 @@ def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) ->
     return merged(config, optim.deepspeed)
 
 
+class _ReadKeys(dict):
+    """A config dict that records the keys read from it (shared by its shallow copies, which is how
+    DeepSpeed's parser reads a config)."""
+
+    def __init__(self, *args, read: set | None = None):
+        super().__init__(*args)
+        self.read = set() if read is None else read
+
+    def get(self, key, *default):
+        self.read.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def __copy__(self):
+        return _ReadKeys(self, read=self.read)
+
+
+def unread_settings(optim: OptimConfig, micro_batch: int, accumulation: int) -> list[str]:
+    """A warning for each top-level key of optim.deepspeed that the installed DeepSpeed's config parser
+    never reads (misspelt, or of another DeepSpeed version), which would have no effect. None when
+    the parser refuses the config: build_engine reports that."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = _ReadKeys(deepspeed_config(optim, micro_batch, accumulation))
+    try:
+        DeepSpeedConfig(config)
+    except Exception:  # noqa: BLE001 - build_engine names the setting DeepSpeed refuses
+        return []
+    found = []
+    for key in sorted(k for k in optim.deepspeed if k not in config.read):
+        near = difflib.get_close_matches(key, sorted(k for k in config.read if isinstance(k, str)), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        found.append(f"optim.deepspeed.{key} is not a setting DeepSpeed {deepspeed.__version__} reads, so it "
+                        f"has no effect{hint}")  # fmt: skip
+    return found
+
+
 def merged(base: dict, extra: dict) -> dict:
     """`base` with `extra` merged in, mapping into mapping (neither is changed)."""
     out = dict(base)
@@ -232,6 +278,7 @@ def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Pa
 def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, accumulation: int):
     """(engine, optimizer, lr scheduler) for the trainable parameters of `module`."""
     import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfigError
 
     params = [p for _, p in trainable_parameters(module)]
     if not params:
@@ -243,7 +290,7 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
             model=module, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(optim, micro_batch, accumulation),
         )  # fmt: skip
-    except ValueError as exc:  # its config's validation, or a precision this device lacks
+    except (ValueError, DeepSpeedConfigError) as exc:  # its config's validation, or a precision this device lacks
         raise ValueError(
             f"DeepSpeed refused this run's settings (optim.zero_stage={optim.zero_stage}, optim.precision="
             f"{optim.precision}, optim.deepspeed={optim.deepspeed}): {exc}"

@@ -29,7 +29,9 @@ from stepfast.config import ConfigError, changed_settings, config_warnings, load
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
-from stepfast.engine import all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights
+from stepfast.engine import (
+    all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights, unread_settings,
+)
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
@@ -103,8 +105,12 @@ class Trainer:
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)
+        accumulation = backward_calls // cfg.optim.updates_per_iteration
+        if self.main:
+            for warning in unread_settings(cfg.optim, cfg.rollout.micro_batch, accumulation):
+                print(f"stepfast: warning: {warning}", file=sys.stderr)
         self.engine, self.optimizer, self.scheduler = build_engine(
-            self.pipe.transformer, cfg.optim, cfg.rollout.micro_batch, backward_calls // cfg.optim.updates_per_iteration
+            self.pipe.transformer, cfg.optim, cfg.rollout.micro_batch, accumulation
         )
         # ZeRO-3 gathers and frees every weight around each forward, so no CUDA graph can hold them
         # (DeepSpeed does not support graphs with ZeRO-3): its estimates run eagerly

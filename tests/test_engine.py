@@ -221,3 +221,23 @@ def test_the_engine_schedule_warms_up_over_iterations_of_the_runs_optimizer_step
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+
+
+def test_deepspeed_settings_it_does_not_read_are_named_with_the_closest_it_does():
+    """optim.deepspeed is merged into DeepSpeed's config, whose parser ignores keys it does not know:
+    a misspelt section would silently do nothing. The keys the installed parser never reads are named."""
+    import deepspeed
+
+    from stepfast.config import load_config
+    from stepfast.engine import unread_settings
+
+    known = ("{zero_optimization: {offload_optimizer: {device: cpu}}, wall_clock_breakdown: true, "
+             "flops_profiler: {enabled: false}, activation_checkpointing: {}, comms_logger: {}, aio: {}")  # fmt: skip
+    optim = load_config("default", [f"optim.deepspeed={known}, zero_optimisation: {{}}, tensorbord: {{}}}}"]).optim
+    assert unread_settings(optim, 4, 2) == [
+        f"optim.deepspeed.tensorbord is not a setting DeepSpeed {deepspeed.__version__} reads, so it has no effect "
+        "(did you mean tensorboard?)",
+        f"optim.deepspeed.zero_optimisation is not a setting DeepSpeed {deepspeed.__version__} reads, so it has no "
+        "effect (did you mean zero_optimization?)",
+    ]
+    assert unread_settings(load_config("default", [f"optim.deepspeed={known}}}"]).optim, 4, 2) == []

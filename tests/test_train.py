@@ -842,6 +842,8 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
 @pytest.mark.parametrize("overrides, message", [
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
     (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 and sde.timestep_fraction=1.0 trains no step"),
+    (["optim.deepspeed={amp: {enabled: true}}"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
+     "optim.precision=fp32, optim.deepspeed={'amp': {'enabled': True}}): NVIDIA Apex AMP integration has been removed"),
     (["rollout.resolution=72"], "rollout.resolution=72: this model draws images whose side is a multiple of 8 px "
      "up to 64 px"),  # its position embedding holds 8 x 8 patches
     (["rollout.resolution=60"], "rollout.resolution=60: this model draws images whose side is a multiple of 8 px"),
