@@ -550,11 +550,13 @@ def check_before_start(cfg) -> PromptFiles:
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
     there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, or a
     prompt file that cannot be read (its line). Returns the prompt files read. (Reward names are
-    checked with the configuration, by `check_reward_names`.)"""
+    checked with the configuration, by `check_reward_names`.) Every such setting at fault is named in
+    the one error, so that a preset whose paths are all elsewhere on this machine is fixed in one go."""
+    errors = []
     try:
         check_pipeline_dir(resolve_model_path(cfg.model.path))
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        raise ConfigError(f"model.path: {exc}") from None
+        errors.append(f"model.path: {exc}")
     prompt_files = {"rollout.prompts": cfg.rollout.prompts}
     if cfg.eval.enabled:
         prompt_files["eval.prompts"] = cfg.eval.prompts
@@ -563,19 +565,39 @@ def check_before_start(cfg) -> PromptFiles:
         try:
             read[key] = load_prompts(source)
         except (FileNotFoundError, ValueError) as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+            errors.append(f"{key}: {exc}")
+    errors += missing_reward_paths(cfg)
     try:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
-        raise ConfigError(f"output_dir: {exc}") from None
+        errors.append(f"output_dir: {exc}")
     if cfg.resume not in ("none", "auto"):
         try:
             found = Path(cfg.resume).is_dir()
         except OSError as exc:
-            raise ConfigError(f"resume: cannot check {cfg.resume!r}: {exc.strerror or exc}") from None
-        if not found:
-            raise ConfigError(f"resume: checkpoint {cfg.resume!r} is not a directory (use auto, none or a checkpoint dir)")
+            errors.append(f"resume: cannot check {cfg.resume!r}: {exc.strerror or exc}")
+        else:
+            if not found:
+                errors.append(f"resume: checkpoint {cfg.resume!r} is not a directory (use auto, none or a checkpoint dir)")
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} settings name what cannot be used here:\n  " + "\n  ".join(errors))
     return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
+
+
+def missing_reward_paths(cfg) -> list[str]:
+    """`reward.options.<reward>.<key>: ... does not exist` for each option named `path` or `*_path` of a
+    reward the run uses whose file or folder is not there (the reward's own loading says more about
+    one that is there but incomplete)."""
+    used = set(cfg.reward.weights) | ({cfg.eval.reward} if cfg.eval.enabled else set())
+    out = []
+    for reward, options in cfg.reward.options.items():
+        for key, value in (options or {}).items() if reward in used and isinstance(options, dict) else ():
+            if (key == "path" or key.endswith("_path")) and isinstance(value, str) and value:
+                if not Path(value).expanduser().exists():
+                    out.append(f"reward.options.{reward}.{key}: {value} does not exist")
+    return out
 
 
 def main(argv=None) -> int:

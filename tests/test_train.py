@@ -571,6 +571,22 @@ def test_unknown_config_key_suggests_the_closest(model_dir, tmp_path):
     assert "unknown config key 'optim.lerning_rate'" in proc.stderr
 
 
+@pytest.mark.skipif(Path("/models").exists() or Path("/data/pickscore").exists(), reason="the preset's paths exist")
+def test_every_path_a_preset_cannot_find_is_named_at_once(tmp_path):
+    """An SD3.5 preset on a machine without its model, prompts and reward weights: one error lists
+    them all, before the process group and the model."""
+    proc = train("sd3_medium_pickscore", f"output_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("stepfast: config error: 5 settings name what cannot be used here:\n"
+            "  model.path: pipeline directory /models/stable-diffusion-3.5-medium does not exist\n"
+            "  rollout.prompts: prompt file /data/pickscore/train.txt does not exist\n"
+            "  eval.prompts: prompt file /data/pickscore/test.txt does not exist\n"
+            "  reward.options.pickscore.path: /models/PickScore_v1 does not exist\n"
+            "  reward.options.pickscore.processor_path: /models/CLIP-ViT-H-14-laion2B-s32B-b79K does not exist"
+            ) in proc.stderr  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_model_directory(tmp_path):
     """Named from the files alone, before the process group starts (and a build of DeepSpeed's op)."""
     config = write_config(tmp_path / "cfg.yaml", base_config(tmp_path / "nowhere", tmp_path / "run"))
