@@ -105,7 +105,8 @@ def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, se
     redraws each category's prompts, then each drawn prompt's seeds, with replacement, and takes
     after minus before on the same images. It says how much the gain owes to which prompts and
     seeds were drawn; the spread between training runs of different seeds comes on top of it.
-    None when the records do not pair up (other prompts or seeds). A prompt listed twice in the
+    se is None when every category holds one image. None when the records do not pair up (other
+    prompts or seeds). A prompt listed twice in the
     prompt file gives the same (prompt, seed) twice: the k-th of each pairs with the k-th."""
 
     def keys(samples):
@@ -135,6 +136,8 @@ def paired_gain(before: list[dict], after: list[dict], resamples: int = 1000, se
             drawn = [diffs[i][rng.integers(len(diffs[i]), size=len(diffs[i]))] for i in prompts_drawn]
             gains[r] += np.concatenate(drawn).mean() / len(by_category)
     gain = float(np.mean([np.concatenate(list(p.values())).mean() for p in by_category.values()]))
+    if all(len(p) == 1 and len(next(iter(p.values()))) == 1 for p in by_category.values()):
+        return {"gain": gain, "se": None, "resamples": 0}  # one image a category: nothing to redraw
     return {"gain": gain, "se": float(gains.std(ddof=1)), "resamples": resamples}
 
 

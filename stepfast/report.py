@@ -152,7 +152,7 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
         gain = held_out_gain(evals)
-        if gain is None:
+        if gain is None or gain["se"] is None:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
         else:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",

@@ -454,7 +454,9 @@ class Trainer:
             from stepfast.report import held_out_gain, write_report
 
             gain = held_out_gain(self.evals)
-            if gain is not None:
+            if gain is not None and gain["se"] is None:
+                print(f"stepfast: held-out gain {gain['gain']:+.3f} (one image a category: no standard error)")
+            elif gain is not None:
                 print(f"stepfast: held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} "
                       "(one standard error over the prompts and seeds drawn)")  # fmt: skip
             if cfg.log.report:

@@ -73,6 +73,15 @@ def test_paired_gain_is_the_overall_difference_with_a_bootstrap_standard_error()
     assert heldout.paired_gain(records(before), records(after)) == gain
 
 
+def test_paired_gain_of_one_image_a_category_has_no_standard_error():
+    """Nothing to redraw: no standard error (not a spread of 0)."""
+    before = records({("colors", "a"): [0], ("counting", "b"): [1]})
+    after = records({("colors", "a"): [1], ("counting", "b"): [1]})
+    assert heldout.paired_gain(before, after) == {"gain": 0.5, "se": None, "resamples": 0}
+    two = records({("colors", "a"): [0, 1], ("counting", "b"): [1]})
+    assert heldout.paired_gain(two, two)["se"] == 0.0  # two images of colors: redrawn, and equal
+
+
 def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
     """With every seed of a prompt giving the same difference, only the prompt draw spreads the
     gain: its standard error is that of the mean over categories of each category's prompt mean,

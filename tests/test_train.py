@@ -505,7 +505,9 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     report = out / "report"
     grid = (report / "samples_before.png").read_bytes()
     (report / "summary.md").unlink()  # as if the run had stopped before writing its report
-    train(config, "resume=auto", "iterations=3")
+    proc = train(config, "resume=auto", "iterations=3")
+    # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error
+    assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
     rows = metrics(out)
     assert [r["eval/strict"] is not None for r in rows] == [False, True, False]
     evaluated = json.loads((out / "eval_iter000002.json").read_text())
