@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -41,4 +42,8 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
         raise ValueError(f"cannot check {path} (can a folder above it be searched?): {exc.strerror or exc}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write in {existing}: permission denied")
+    try:  # the permission bits are not the whole story (read-only mounts, /proc, root): try it
+        os.rmdir(tempfile.mkdtemp(prefix=".stepfast-probe-", dir=existing))
+    except OSError as exc:
+        raise ValueError(f"cannot write in {existing}: {exc.strerror or exc}") from None
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,13 @@ def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
     assert path.read_text() == "iteration,reward\n1,0.5\n" and not (tmp_path / "metrics.csv.tmp").exists()
     write_atomically(path, lambda tmp: tmp.write_text("iteration,reward\n"))
     assert path.read_text() == "iteration,reward\n" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_whose_permission_bits_allow_writing_but_which_refuses_it_is_named():
+    """/proc passes os.access for root, yet nothing can be created in it: found out at the check, not
+    once the work is done and its results are to be written."""
+    if not os.access("/proc", os.W_OK):
+        pytest.skip("the permission bits refuse it already")
+    with pytest.raises(ValueError, match="cannot write in /proc: "):
+        check_creatable_dir("/proc/stepfast-out")
