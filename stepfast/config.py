@@ -176,7 +176,21 @@ def _type_hints(cls) -> dict[str, Any]:
 
 class _Loader(yaml.SafeLoader):
     """YAML as PyYAML reads it, except that 1e-5 and 5e8 are numbers (YAML 1.2), not strings: inside
-    free-form mappings (optim.deepspeed, reward.options) no field type converts them afterwards."""
+    free-form mappings (optim.deepspeed, reward.options) no field type converts them afterwards; and a
+    key given twice in one mapping is an error (PyYAML keeps the last in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found the key {key!r} twice (first on line {seen[key] + 1})", key_node.start_mark,
+                )  # fmt: skip
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 class _Dumper(yaml.SafeDumper):

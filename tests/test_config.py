@@ -246,6 +246,14 @@ def test_bad_preset_and_yaml(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_config(str(tmp_path / "listed.yaml"))
         assert message in str(err.value)
+    (tmp_path / "twice.yaml").write_text("seed: 1\noptim: {lr: 1.0e-4, lr: 2.0e-4}\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: malformed YAML: (.|\n)*found the key 'lr' twice"):
+        load_config(str(tmp_path / "twice.yaml"))
+    (tmp_path / "twice.yaml").write_text("iterations: 3\nseed: 1\niterations: 5\n")
+    with pytest.raises(ConfigError, match=r"found the key 'iterations' twice \(first on line 1\)"):
+        load_config(str(tmp_path / "twice.yaml"))
+    with pytest.raises(ConfigError, match=r"optim.deepspeed=\{a: 1, a: 2\}'(.|\n)*found the key 'a' twice"):
+        load_config("default", ["optim.deepspeed={a: 1, a: 2}"])
     with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist$"):
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="config file 'flow_grpo.yaml' does not exist; the preset of that name is "
