@@ -48,9 +48,18 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        if "unrecognized arguments" in message:  # `--lr 1e-4`, `--iterations=3`: settings as options
+            message += "; settings are given as key=value, without dashes (iterations=3 optim.lr=1e-4)"
+        super().error(message)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default", help="preset name in stepfast/configs or a YAML path")
+    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="default",
+                   help="preset name in stepfast/configs, or a YAML file: its keys are set over the code's "
+                        "defaults (those of config.py, not of the default preset)")  # fmt: skip
     p.add_argument("--print-config", action="store_true",
                    help="print the configuration the preset and overrides give, as YAML, and exit")  # fmt: skip
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher

@@ -314,6 +314,9 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
     assert not out.exists()
     assert main(["--print-config", "optim.lrr=1"]) == 2  # a mistyped key is still an error
     assert "did you mean 'optim.lr'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a setting written as an option: argparse's error, with the form to use
+        main(["--print-config", "--iterations=3"])
+    assert "settings are given as key=value, without dashes" in capsys.readouterr().err
     assert main(["--print-config", "reward.weights={pickscor: 1.0}"]) == 2  # and a mistyped reward
     assert "reward.weights.pickscor: unknown reward 'pickscor' (did you mean 'pickscore'?)" in capsys.readouterr().err
 
