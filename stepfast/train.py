@@ -584,17 +584,30 @@ def check_before_start(cfg) -> PromptFiles:
         errors.append(f"output_dir: {exc}")
     if cfg.resume not in ("none", "auto"):
         try:
-            found = Path(cfg.resume).is_dir()
+            problem = resume_problem(Path(cfg.resume))
         except OSError as exc:
-            errors.append(f"resume: cannot check {cfg.resume!r}: {exc.strerror or exc}")
-        else:
-            if not found:
-                errors.append(f"resume: checkpoint {cfg.resume!r} is not a directory (use auto, none or a checkpoint dir)")
+            problem = f"cannot check {cfg.resume!r}: {exc.strerror or exc}"
+        if problem:
+            errors.append(f"resume: {problem}")
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
         raise ConfigError(f"{len(errors)} settings name what cannot be used here:\n  " + "\n  ".join(errors))
     return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
+
+
+def resume_problem(path: Path) -> str | None:
+    """What keeps resume=PATH from naming a complete checkpoint, or None."""
+    if not path.exists():
+        return f"checkpoint {str(path)!r} does not exist (use auto, none or a checkpoint dir)"
+    if not path.is_dir():
+        return f"checkpoint {str(path)!r} is a file, not a checkpoint dir (use auto, none or a checkpoint dir)"
+    if (path / "COMPLETE").exists():
+        return None
+    if (path / "checkpoints").is_dir() or (path / "metrics.csv").exists():
+        return (f"{path} is a run's output_dir, not one of its checkpoints: continue its newest with "
+                f"output_dir={path} resume=auto, or name one of {path / 'checkpoints'}/checkpoint-NNNNNN")
+    return f"{path} is not a complete checkpoint (no COMPLETE marker)"
 
 
 def missing_reward_paths(cfg) -> list[str]:

@@ -707,6 +707,24 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path):
     assert_unchanged(out, files)
 
 
+@pytest.mark.parametrize("target, message", [
+    ("{out}", "resume: {out} is a run's output_dir, not one of its checkpoints: continue its newest with "
+              "output_dir={out} resume=auto, or name one of {out}/checkpoints/checkpoint-NNNNNN"),
+    ("{out}/checkpoints/checkpoint-000003", "resume: checkpoint '{out}/checkpoints/checkpoint-000003' does not exist"),
+    ("{out}/metrics.csv", "resume: checkpoint '{out}/metrics.csv' is a file, not a checkpoint dir"),
+    ("{out}/checkpoints/half", "resume: {out}/checkpoints/half is not a complete checkpoint (no COMPLETE marker)"),
+])  # fmt: skip
+def test_a_resume_that_names_no_checkpoint_says_what_it_names(baseline, tmp_path, target, message):
+    config, out, _ = copy_run(baseline, tmp_path)
+    (out / "checkpoints" / "half").mkdir()
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    proc = train(config, f"resume={target.format(out=out)}", "output_dir=" + str(tmp_path / "other"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message.format(out=out) in proc.stderr, proc.stderr[-2000:]
+    assert "stepfast: 1 rank" not in proc.stdout  # refused before the process group and the model
+    assert_unchanged(out, files)
+
+
 def test_a_run_stopped_before_its_first_checkpoint_is_named_so(baseline, tmp_path):
     """Nothing to continue from: the refusal does not send the user to resume=auto as if there were,
     and resume=auto, which starts such a run again, says that it replaces the old metrics.csv."""
