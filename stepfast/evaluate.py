@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
                               prompt_source=args.prompts)  # fmt: skip
     print(heldout.markdown_table(result), end="")
     print(
-        f"{len(metadata)} prompts x {args.seeds}+ seeds ({len(result['samples'])} images), {args.steps} steps, "
+        f"{len(metadata)} prompt{'s' * (len(metadata) != 1)} x {args.seeds}+ seed{'s' * (args.seeds != 1)} "
+        f"({len(result['samples'])} images), {args.steps} steps, "
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )
@@ -190,5 +191,5 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         # bad input (model or LoRA directory, prompt file): the message names it, no traceback
-        print(f"stepfast.evaluate: error: {exc}", file=sys.stderr)
+        print(f"python -m stepfast.evaluate: error: {exc}", file=sys.stderr)  # as argparse's errors begin
         sys.exit(2)
