@@ -3,7 +3,8 @@
 Both presets run on the same model, batch and machine, alternating A B A B so that load on a shared
 machine hits both alike; the first iteration of each run (warm-up) is left out. Prints seconds per
 iteration of each, their ratio (the paper reports 1.8-2.4x for stepwise over Flow-GRPO), and the time
-split into rollout, estimates, rewards and update. Each preset keeps its own settings, so the ratio
+split into rollout, estimates (with the decoding of the final images, which runs beside them),
+rewards and update. Each preset keeps its own settings, so the ratio
 also carries what they do differently besides the credit (printed under it): the steps trained and
 the LoRA's targets, which the update's time follows.
 
