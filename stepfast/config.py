@@ -180,16 +180,18 @@ class _Loader(yaml.SafeLoader):
     key given twice in one mapping is an error (PyYAML keeps the last in silence)."""
 
     def construct_mapping(self, node, deep=False):
+        # the mapping's own keys, as written (merge keys `<<` bring in keys meant to be overridden)
         seen = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            written = (key_node.tag, key_node.value)
+            if written in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,
-                    f"found the key {key!r} twice (first on line {seen[key] + 1})", key_node.start_mark,
+                    f"found the key {key_node.value!r} twice (first on line {seen[written] + 1})", key_node.start_mark,
                 )  # fmt: skip
-            if isinstance(key, (str, int, float, bool)):
-                seen[key] = key_node.start_mark.line
+            seen[written] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 

@@ -254,6 +254,11 @@ def test_bad_preset_and_yaml(tmp_path):
         load_config(str(tmp_path / "twice.yaml"))
     with pytest.raises(ConfigError, match=r"optim.deepspeed=\{a: 1, a: 2\}'(.|\n)*found the key 'a' twice"):
         load_config("default", ["optim.deepspeed={a: 1, a: 2}"])
+    # a merge key brings in keys that the mapping may override
+    (tmp_path / "merged.yaml").write_text("optim:\n  deepspeed:\n    base: &b {reduce_bucket_size: 5, overlap_comm: true}\n"
+                                          "    zero_optimization: {<<: *b, overlap_comm: false}\n")  # fmt: skip
+    merged = load_config(str(tmp_path / "merged.yaml")).optim.deepspeed["zero_optimization"]
+    assert merged == {"reduce_bucket_size": 5, "overlap_comm": False}
     with pytest.raises(ConfigError, match="config file '.*missing.yaml' does not exist$"):
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="config file 'flow_grpo.yaml' does not exist; the preset of that name is "
@@ -356,7 +361,7 @@ def test_deepspeed_config_takes_its_settings_from_the_runs_keys(precision):
 @pytest.mark.parametrize("override, message", [
     ("output_dir={blocker}", "output_dir: {blocker} is a file, not a directory"),
     ("output_dir={blocker}/run", "output_dir: cannot create {blocker}/run: {blocker} is a file"),
-    ("resume={tmp}/no/such/checkpoint", "resume: checkpoint '{tmp}/no/such/checkpoint' is not a directory"),
+    ("resume={tmp}/no/such/checkpoint", "resume: checkpoint '{tmp}/no/such/checkpoint' does not exist"),
 ])  # fmt: skip
 def test_paths_the_run_cannot_use_stop_the_trainer_before_it_starts(tmp_path, capsys, override, message):
     """Checked where the run starts, not when the config is read: printing a config, or rebuilding
