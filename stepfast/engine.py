@@ -202,6 +202,10 @@ def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) ->
     return merged(config, optim.deepspeed)
 
 
+#: Top-level DeepSpeed keys that deepspeed.initialize reads itself, not its config parser.
+READ_BY_INITIALIZE = {"data_parallel_size"}
+
+
 class _ReadKeys(dict):
     """A config dict that records the keys read from it (shared by its shallow copies, which is how
     DeepSpeed's parser reads a config)."""
@@ -238,10 +242,21 @@ def unread_settings(optim: OptimConfig, micro_batch: int, accumulation: int) -> 
         DeepSpeedConfig(config)
     except Exception:  # noqa: BLE001 - build_engine names the setting DeepSpeed refuses
         return []
+    from deepspeed.runtime import config as ds_config
+
+    from stepfast.config import DEEPSPEED_KEYS_OWNED
+
+    removed = set(getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", ()))  # read only to be refused
+    owned = {keys[0]: owner for keys, owner in DEEPSPEED_KEYS_OWNED.items() if len(keys) == 1}
+    read = {k for k in config.read if isinstance(k, str)} | READ_BY_INITIALIZE
     found = []
-    for key in sorted(k for k in optim.deepspeed if k not in config.read):
-        near = difflib.get_close_matches(key, sorted(k for k in config.read if isinstance(k, str)), n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
+    for key in sorted(k for k in optim.deepspeed if k not in read):
+        near = difflib.get_close_matches(key, sorted(read - removed), n=1)
+        hint = ""
+        if near and near[0] in owned:
+            hint = f" (did you mean {near[0]}? stepfast sets it from {owned[near[0]]})"
+        elif near:
+            hint = f" (did you mean {near[0]}?)"
         found.append(f"optim.deepspeed.{key} is not a setting DeepSpeed {deepspeed.__version__} reads, so it "
                         f"has no effect{hint}")  # fmt: skip
     return found
@@ -290,7 +305,7 @@ def build_engine(module: torch.nn.Module, optim: OptimConfig, micro_batch: int, 
             model=module, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(optim, micro_batch, accumulation),
         )  # fmt: skip
-    except (ValueError, DeepSpeedConfigError) as exc:  # its config's validation, or a precision this device lacks
+    except (ValueError, AssertionError, DeepSpeedConfigError) as exc:  # its config's checks; a precision this device lacks
         raise ValueError(
             f"DeepSpeed refused this run's settings (optim.zero_stage={optim.zero_stage}, optim.precision="
             f"{optim.precision}, optim.deepspeed={optim.deepspeed}): {exc}"

@@ -241,3 +241,10 @@ def test_deepspeed_settings_it_does_not_read_are_named_with_the_closest_it_does(
         "effect (did you mean zero_optimization?)",
     ]
     assert unread_settings(load_config("default", [f"optim.deepspeed={known}}}"]).optim, 4, 2) == []
+    # no hint towards a key DeepSpeed has removed (it refuses those) or one stepfast sets itself
+    optim = load_config("default", ["optim.deepspeed={gradient_clip: 1.0, data_parallel_size: 1}"]).optim
+    assert unread_settings(optim, 4, 2) == [
+        f"optim.deepspeed.gradient_clip is not a setting DeepSpeed {deepspeed.__version__} reads, so it has no effect "
+        "(did you mean gradient_clipping? stepfast sets it from optim.grad_clip)"]
+    assert "did you mean" not in unread_settings(load_config("default", ["optim.deepspeed={sparse_atention: {}}"]).optim,
+                                                 4, 2)[0]  # fmt: skip
