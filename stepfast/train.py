@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -455,6 +456,7 @@ class Trainer:
             # the batches still queued for the reward are dropped: scored at exit, against a reward
             # server that has died, each would wait out its retries before the process could end
             self.scorer.close(wait=False)
+            exc.stepfast_reported = True  # main() says nothing more about it
             raise
         finally:
             bar.close()
@@ -611,20 +613,31 @@ def resume_problem(path: Path) -> str | None:
 
 
 def missing_reward_paths(cfg) -> list[str]:
-    """`reward.options.<reward>.<key>: ... does not exist` for each option named `path` or `*_path` of a
-    reward the run uses whose file or folder is not there (the reward's own loading says more about
-    one that is there but incomplete)."""
+    """`reward.options.<reward>.<key>: ... does not exist` for each local-path option
+    (`rewards.LOCAL_PATH_OPTIONS`) of a registered reward the run uses whose file or folder is not
+    there."""
     used = set(cfg.reward.weights) | ({cfg.eval.reward} if cfg.eval.enabled else set())
     out = []
     for reward, options in cfg.reward.options.items():
-        for key, value in (options or {}).items() if reward in used and isinstance(options, dict) else ():
-            if (key == "path" or key.endswith("_path")) and isinstance(value, str) and value:
-                if not Path(value).expanduser().exists():
-                    out.append(f"reward.options.{reward}.{key}: {value} does not exist")
+        if reward not in used or not isinstance(options, dict):
+            continue
+        for key in rewards.LOCAL_PATH_OPTIONS.get(reward, ()):
+            value = options.get(key)
+            if isinstance(value, str) and value and not Path(value).exists():
+                out.append(f"reward.options.{reward}.{key}: {value} does not exist")
     return out
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C: a line, not a traceback (in training, the trainer's two)
+        if not getattr(exc, "stepfast_reported", False) and os.environ.get("RANK", "0") == "0":
+            print("\nstepfast: interrupted before training began or after it ended", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -648,8 +661,6 @@ def main(argv=None) -> int:
         # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
         print(f"stepfast: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the trainer has said where it stopped; no traceback
-        return 130
     finally:
         # Left to the interpreter's exit, gloo's threads can abort the process ("terminate called
         # without an active exception", exit code 250 for the 2 of a named error) when a rank stops

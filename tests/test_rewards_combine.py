@@ -295,3 +295,10 @@ def test_a_models_missing_or_incomplete_files_are_named_once_with_the_reward(tmp
         WeightedReward({"clipscore": 1.0}, {"clipscore": {"path": empty}})
     assert not isinstance(err.value, RewardFileError)
     assert str(err.value).startswith("reward 'clipscore' cannot load its files: ") and str(empty) in str(err.value)
+
+
+def test_the_local_path_options_the_trainer_checks_are_options_of_their_rewards():
+    for name, options in rewards.LOCAL_PATH_OPTIONS.items():
+        assert name in rewards.REGISTRY
+        for option in options:
+            assert rewards.takes_option(name, option), (name, option)

@@ -43,6 +43,16 @@ class PromptError(ValueError):
 
 #: name -> "module:attribute" of a class or factory called with the reward's options (`register` may
 #: also give the class or factory itself, for rewards defined in the running program).
+#: The options of registered rewards that name local files or folders: the trainer checks that they
+#: are there before it starts (the reward itself says more when one is there but incomplete).
+LOCAL_PATH_OPTIONS: dict[str, tuple[str, ...]] = {
+    "pickscore": ("path", "processor_path"),
+    "clipscore": ("path", "processor_path"),
+    "aesthetic": ("path", "mlp_path", "processor_path"),
+    "imagereward": ("path", "med_config", "tokenizer"),
+    "ocr": ("model_dir",),
+}
+
 REGISTRY: dict[str, str | Callable[..., Any]] = {
     "shapes": "stepfast.rewards.shapes:ShapesReward",
     "weighted": "stepfast.rewards.combine:WeightedReward",
