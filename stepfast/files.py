@@ -24,6 +24,10 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     tmp.replace(path)
 
 
+#: The name of the folder `check_creatable_dir` creates and removes at once to see that it can.
+PROBE_PREFIX = ".stepfast-probe-"
+
+
 def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     """`path` as a Path when it is a directory that can be written in, or does not exist yet and its
     nearest existing parent is one; else a ValueError that names the path and what is wrong.
@@ -43,7 +47,7 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write in {existing}: permission denied")
     try:  # the permission bits are not the whole story (read-only mounts, /proc, root): try it
-        os.rmdir(tempfile.mkdtemp(prefix=".stepfast-probe-", dir=existing))
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing))
     except OSError as exc:
-        raise ValueError(f"cannot write in {existing}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot create a folder in {existing} (mkdir: {exc.strerror or exc})") from None
     return path

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.files import check_creatable_dir
+from stepfast.files import PROBE_PREFIX, check_creatable_dir
 from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
@@ -295,7 +295,7 @@ def check_replaceable(path: Path, partial_ok: bool = False) -> None:
         return
     if not path.is_dir():
         raise ValueError(f"{path} is a file, not a pipeline directory")
-    entries = {p.name for p in path.iterdir()}
+    entries = {p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX)}  # a killed check's
     if not entries or "model_index.json" in entries or (partial_ok and entries <= PIPELINE_ENTRIES):
         return
     shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
