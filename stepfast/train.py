@@ -647,6 +647,8 @@ def _main(argv=None) -> int:
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
+        for warning in config_warnings(cfg):  # those the steps trained decide need the model: at start
+            print(f"stepfast: warning: {warning}", file=sys.stderr)
         return 0
     try:  # on every rank, before the process group (and a build of its op) and the model
         prompts = check_before_start(cfg)

@@ -317,6 +317,9 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
     assert printed == config_module.to_dict(load_config("flow_grpo", ["seed=7", f"output_dir={out}"]))
     assert (printed["credit"], printed["seed"], printed["optim"]["lr"]) == ("flow_grpo", 7, 3e-4)
     assert not out.exists()
+    assert capsys.readouterr().err == ""  # flow_grpo: nothing to warn about
+    assert main(["--print-config", "rollout.same_latent=false"]) == 0  # stepwise credit without shared noise
+    assert "stepfast: warning: credit=stepwise with rollout.same_latent=false" in capsys.readouterr().err
     assert main(["--print-config", "optim.lrr=1"]) == 2  # a mistyped key is still an error
     assert "did you mean 'optim.lr'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a setting written as an option: argparse's error, with the form to use
