@@ -117,13 +117,15 @@ def step_coefficients(
     device: torch.device,
     check_std: bool = True,
     check: bool = True,
+    check_kl: bool = False,
     **params,
 ) -> torch.Tensor:
     """The [batch, NUM_COEFS] float32 table of the step t -> s (see the module docstring).
 
     numel: elements per sample (N); reduced: elements per log-prob entry (N for mean/sum, C p^2 for
     tokens). With check_std, a `gaussian` log-prob of a step with std <= 0 is an error, as in
-    `stepfast.sde.log_prob`; with check, times that do not go down within [0, 1] (`check_times`).
+    `stepfast.sde.log_prob`; with check, times that do not go down within [0, 1] (`check_times`);
+    with check_kl, a KL to the reference of such a step, whatever the convention (its sigma is 0).
     """
     if kind not in sde.SAMPLERS:
         raise ValueError(f"unknown sampler {kind!r}: expected one of {', '.join(sde.SAMPLERS)}")
@@ -147,6 +149,8 @@ def step_coefficients(
         ca = (1 - s64) + c
         cb = c * (1 - t64) - (1 - s64) * t64
         sig_kl = std
+    if check_kl and bool((sig_kl <= 0).any()):
+        raise ValueError(sde.KL_OF_A_DETERMINISTIC_STEP)
     w = 1.0 if reduce == "sum" else 1.0 / reduced
     if convention == "gaussian":
         if check_std and bool((std <= 0).any()):

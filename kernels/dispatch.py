@@ -122,7 +122,7 @@ def _requires_grad(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params) -> torch.Tensor:
+def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params, check_kl=False) -> torch.Tensor:
     """The per-sample coefficient table (kernels/coefficients.py) on x_t's device."""
     params = sde.sampler_params(kind, params)  # validated as stepfast.sde validates them; floats, hashable
     b = x_t.shape[0]
@@ -139,7 +139,7 @@ def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, pa
     # host times (a float or a CPU tensor) to avoid even the sync, as the trainer does.
     t, s = (u.cpu() if isinstance(u, torch.Tensor) else u for u in (t, s))
     key = tuple(sorted(params.items()))
-    return _cached_table(kind, _time_key(t, "t"), _time_key(s, "s"), layout, check_std, key, x_t.device)
+    return _cached_table(kind, _time_key(t, "t"), _time_key(s, "s"), layout, check_std, key, x_t.device, check_kl)
 
 
 def _time_key(t, name: str) -> tuple:
@@ -152,7 +152,7 @@ def _time_key(t, name: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_table(kind, t_key, s_key, layout, check_std, params, device) -> torch.Tensor:
+def _cached_table(kind, t_key, s_key, layout, check_std, params, device, check_kl=False) -> torch.Tensor:
     def value(key):
         if key[0] == "float":
             return key[1]
@@ -160,7 +160,8 @@ def _cached_table(kind, t_key, s_key, layout, check_std, params, device) -> torc
         return torch.tensor(values, dtype=dtype).reshape(shape)
 
     table = step_coefficients(
-        kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, **dict(params)
+        kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, check_kl=check_kl,
+        **dict(params),
     )
     return table.to(device)
 
@@ -273,7 +274,7 @@ def sde_logprob(
         return LogProbAndKL(
             *reference.sde_logprob(kind, x_t, v, t, s, sample, v_ref, convention, reduce, patch_size, **params)
         )
-    coef = _coefficients(kind, x_t, t, s, convention, reduce, patch_size, True, params)
+    coef = _coefficients(kind, x_t, t, s, convention, reduce, patch_size, True, params, check_kl=v_ref is not None)
     x_t, v, sample, v_ref = (_kernel_input(x) for x in (x_t, v, sample, v_ref))
     patch = patch_size if reduce == "tokens" else None
     needs_grad = grad and (v.requires_grad or (v_ref is not None and v_ref.requires_grad))

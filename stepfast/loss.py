@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepfast.sde import per_sample
+from stepfast.sde import KL_OF_A_DETERMINISTIC_STEP, per_sample
 
 
 @dataclass
@@ -45,6 +45,8 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, sigma: torch.Ten
     sig is the sampler's noise scale WITHOUT the sqrt(dt) of flow_sde (`stepfast.sde.kl_sigma`).
     """
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=mean.device)
+    if not torch.compiler.is_compiling() and bool((sigma <= 0).any()):  # as the kernels refuse it
+        raise ValueError(KL_OF_A_DETERMINISTIC_STEP)
     sq = (mean.float() - mean_ref.float()) ** 2
     return per_sample(sq, torch.mean) / (2 * sigma.reshape(-1) ** 2)
 

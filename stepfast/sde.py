@@ -128,6 +128,13 @@ def flow_sde_sigma(t: torch.Tensor, s: torch.Tensor, noise_level: float) -> torc
     return noise_level * torch.sqrt(t / denom)
 
 
+#: The error for a KL to the reference of a step with std = 0 (it divides by the step's sigma).
+KL_OF_A_DETERMINISTIC_STEP = (
+    "KL to the reference of a deterministic step (std = 0): it divides by the step's sigma, so it is "
+    "undefined; such a step carries nothing to regularise (see stepfast.sde.degenerate_steps)"
+)
+
+
 def kl_sigma(kind: str, t, s, **params) -> torch.Tensor:
     """The std that the KL penalty divides by: the step's std WITHOUT the sqrt(t - s) of flow_sde.
 

@@ -392,6 +392,11 @@ def test_errors_name_the_problem(backend):
             sde_step_with_logprob("ddim", x, v, 1.0, 0.9, inp["noise"], backend=backend)
     with pytest.raises(ValueError, match="'ode' step is deterministic"):
         sde_logprob("ode", x, v, 0.5, 0.4, smp, backend=backend)
+    # the cps convention's log-prob needs no std, but the KL to the reference divides by it
+    for kind, t, s in (("cps", 0.5, 0.0), ("ddim", 1.0, 0.9)):
+        with pytest.raises(ValueError, match="KL to the reference of a deterministic step"):
+            sde_logprob(kind, x, v, t, s, smp, v_ref=v, convention="cps", backend=backend)
+        sde_logprob(kind, x, v, t, s, smp, convention="cps", backend=backend)  # without v_ref: fine
     with pytest.raises(ValueError, match="same shape"):
         sde_logprob("ddim", x, v[:, :2], 0.5, 0.4, smp, backend=backend)
     with pytest.raises(ValueError, match="patch_size"):
