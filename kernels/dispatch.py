@@ -122,7 +122,8 @@ def _requires_grad(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params, check_kl=False) -> torch.Tensor:
+def _coefficients(kind, x_t, t, s, convention, reduce, patch_size, check_std, params,
+                  check_kl=False) -> torch.Tensor:
     """The per-sample coefficient table (kernels/coefficients.py) on x_t's device."""
     params = sde.sampler_params(kind, params)  # validated as stepfast.sde validates them; floats, hashable
     b = x_t.shape[0]
