@@ -203,9 +203,11 @@ def sde_step_with_logprob(
     log-prob of another step with std = 0 is an error, as in `stepfast.sde.log_prob`.
 
     This is the rollout op: it has no gradient. Call it under torch.no_grad(); the training side is
-    `sde_logprob`.
+    `sde_logprob`. `params`: the sampler's, `eta` for ddim (default 1), `noise_level` for flow_sde and
+    cps (default 0.7); `backend`: "torch", "cpp" or "triton" instead of the device's default.
     """
     _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size)
+    patch_size = int(patch_size) if reduce == "tokens" else patch_size  # a numpy integer works too
     if torch.is_grad_enabled() and any(_requires_grad(u) for u in (x_t, v, noise, t, s)):
         raise RuntimeError(
             "sde_step_with_logprob is the rollout op and has no gradient: call it under torch.no_grad() "
@@ -257,9 +259,11 @@ def sde_logprob(
 
     with mean(v) the mean of `stepfast.sde.step`. kl is per sample [B], None when v_ref is None. x_t and
     sample are stored rollout tensors: gradients flow to v and v_ref only (a gradient asked for x_t or
-    sample is an error). An `ode` step has no log-probability: an error.
+    sample is an error). An `ode` step has no log-probability: an error. `params` and `backend` as
+    for `sde_step_with_logprob`.
     """
     _check(kind, x_t, {"v": v, "sample": sample, "v_ref": v_ref}, convention, reduce, patch_size)
+    patch_size = int(patch_size) if reduce == "tokens" else patch_size  # a numpy integer works too
     if kind == "ode":
         raise ValueError("an 'ode' step is deterministic: it has no log-probability and no KL (see sde.degenerate_steps)")
     grad = torch.is_grad_enabled()

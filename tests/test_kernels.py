@@ -416,6 +416,19 @@ def test_errors_name_the_problem(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_a_numpy_integer_patch_size_works_on_every_backend(backend):
+    import numpy as np
+
+    inp = make_inputs("ddim", "mean_prime")
+    x, v, smp = inp["x_t"], inp["v"], inp["sample"]
+    if x.shape[-1] % 2 or x.shape[-2] % 2:
+        x, v, smp = (u[..., :2, :2].contiguous() for u in (x, v, smp))
+    got = sde_logprob("ddim", x, v, 0.5, 0.4, smp, reduce="tokens", patch_size=np.int64(2), backend=backend)
+    want = sde_logprob("ddim", x, v, 0.5, 0.4, smp, reduce="tokens", patch_size=2, backend=backend)
+    assert torch.equal(got.log_prob, want.log_prob)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_bad_times_parameters_and_gradients_are_named_on_every_backend(backend):
     """What the kernels cannot give is refused, alike on every backend: times that do not go down
     within [0, 1] (they gave NaN, or finite nonsense, or 'deterministic step'), sampler parameters
