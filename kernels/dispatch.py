@@ -97,6 +97,9 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         raise ValueError(f"unknown log-prob convention {convention!r}: expected one of {sde.LOGPROB_CONVENTIONS}")
     if reduce not in sde.REDUCTIONS:
         raise ValueError(f"unknown reduction {reduce!r}: expected one of {sde.REDUCTIONS}")
+    for name, tensor in {"x_t": x_t, **others}.items():
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if x_t.dim() < 1:
         raise ValueError("x_t needs a batch dimension")
     if x_t.shape[0] and not x_t[0].numel():

@@ -405,6 +405,11 @@ def test_errors_name_the_problem(backend):
         sde_logprob("ddim", x, v, 0.5, 0.4, smp, reduce="tokens", patch_size=2, backend=backend)
     with pytest.raises(ValueError, match="unknown sampler"):
         sde_logprob("euler", x, v, 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
+        sde_logprob("ddim", x, v.tolist(), 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(TypeError, match="noise must be a torch.Tensor, got ndarray"):
+        with torch.no_grad():
+            sde_step_with_logprob("ddim", x, v, 0.5, 0.4, inp["noise"].numpy(), backend=backend)
     with pytest.raises(TypeError, match="takes parameters"):
         sde_logprob("ddim", x, v, 0.5, 0.4, smp, noise_level=0.3, backend=backend)
     with pytest.raises(ValueError, match=r"shape \[batch\]"):
