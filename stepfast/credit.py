@@ -55,19 +55,31 @@ def _normalize(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tens
     return (x - mean) / (std + eps)
 
 
-def flow_grpo(rewards, global_std: bool = False, eps: float = EPS, adv_clip: float = ADV_CLIP):
+def flow_grpo(rewards, global_std: bool = False, eps: float = EPS, adv_clip: float = ADV_CLIP, prompts=None):
     """Flow-GRPO's advantage of the final reward r_i = rewards[..., -1]:
 
-        A_i = (r_i - mean_group(r)) / (std + eps)
+        A_i = (r_i - mean_prompt(r)) / (std + eps)
 
-    std over the group (per prompt), or over the whole batch with `global_std`; the same A_i at every
-    step. (Flow-GRPO keys its statistics by prompt text: a group here is one prompt.)
+    mean and std over the samples of the prompt, or std over the whole batch with `global_std`; the
+    same A_i at every step. `prompts`: a key per group (its prompt text). Flow-GRPO keys its statistics
+    by prompt text, so groups that share a prompt (a prompt file listing it twice) share them; without
+    keys, or with every key different, each group is its own prompt.
     """
     final = rewards[..., -1]
+    std = final.std(correction=0) if global_std else None
+    if prompts is not None and len(set(prompts)) < len(prompts):
+        if len(prompts) != final.shape[0]:
+            raise ValueError(f"prompts: {len(prompts)} keys for {final.shape[0]} groups")
+        adv = torch.empty_like(final)
+        for key in dict.fromkeys(prompts):
+            rows = [g for g, k in enumerate(prompts) if k == key]
+            pooled = final[rows]
+            spread = std if global_std else pooled.std(correction=0)
+            adv[rows] = (pooled - pooled.mean()) / (spread + eps)
+        adv = adv.clamp(-adv_clip, adv_clip)
+        return adv.unsqueeze(-1).expand(-1, -1, rewards.shape[-1] - 1)
     mean = final.mean(dim=1, keepdim=True)
-    if global_std:
-        std = final.std(correction=0)
-    else:
+    if not global_std:
         std = final.std(dim=1, keepdim=True, correction=0)
     adv = ((final - mean) / (std + eps)).clamp(-adv_clip, adv_clip)
     return adv.unsqueeze(-1).expand(-1, -1, rewards.shape[-1] - 1)

@@ -143,13 +143,15 @@ def collect_scores(pending: list[Future]) -> dict[str, torch.Tensor]:
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
-def advantages(global_rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Advantages [G * N, T] from the gathered rewards [G * N, T + 1] (group-major)."""
+def advantages(global_rewards: torch.Tensor, cfg: Config, prompts: list[str] | None = None) -> torch.Tensor:
+    """Advantages [G * N, T] from the gathered rewards [G * N, T + 1] (group-major); `prompts`: each
+    group's prompt text (flow_grpo pools the statistics of groups that share one, as Flow-GRPO does)."""
     g, n = cfg.rollout.groups, cfg.rollout.group_size
     r = global_rewards.reshape(g, n, -1)
     opts = {"eps": cfg.credit_opts.eps, "adv_clip": cfg.credit_opts.adv_clip}
     if cfg.credit == "flow_grpo":
         opts["global_std"] = cfg.credit_opts.global_std
+        opts["prompts"] = prompts
     if cfg.credit == "turning_point":
         opts["balance"] = cfg.credit_opts.balance
     return credit.compute_advantages(cfg.credit, r, **opts).reshape(g * n, -1)

@@ -351,7 +351,8 @@ class Trainer:
         if self.stepwise:
             local_rewards[:, :-1] = grpo.collect_scores(pending_est)["score"].reshape(steps, -1).T
         global_rewards = all_gather_cat(local_rewards.to(self.device), self.world).cpu()
-        adv = grpo.advantages(global_rewards, cfg)[batch.start: batch.start + len(texts)]
+        group_texts = [self.prompts[i].prompt for i in self.sampler.group_prompts(it)]  # every rank's groups
+        adv = grpo.advantages(global_rewards, cfg, group_texts)[batch.start: batch.start + len(texts)]
         times["time/rewards"] = self._clock() - t0
 
         t0 = self._clock()

@@ -102,6 +102,24 @@ def test_flow_grpo_matches_flow_grpo_stat_tracker(global_std):
         assert np.allclose(adv[..., j].numpy(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("global_std", [False, True])
+def test_flow_grpo_pools_the_groups_of_one_prompt_as_the_stat_tracker_does(global_std):
+    """Two groups of the same prompt text (a prompt file listing it twice) share its statistics; with
+    every key different the advantages are those of the groups alone, to the bit."""
+    g, n = 5, 7
+    final = torch.rand(g, n, dtype=torch.float64) * 3
+    rewards = torch.cat([torch.randn(g, n, 10, dtype=torch.float64), final[..., None]], dim=-1)
+    keys = ["a", "b", "a", "c", "b"]
+    ref = flow_grpo_stat_tracker([k for k in keys for _ in range(n)], final.flatten().numpy(), global_std)
+    adv = compute_advantages("flow_grpo", rewards, global_std=global_std, prompts=keys)
+    for j in range(10):
+        assert np.allclose(adv[..., j].numpy(), np.clip(ref.reshape(g, n), -5, 5), atol=1e-5)
+    distinct = compute_advantages("flow_grpo", rewards, global_std=global_std, prompts=list("abcde"))
+    assert torch.equal(distinct, compute_advantages("flow_grpo", rewards, global_std=global_std))
+    with pytest.raises(ValueError, match="3 keys for 5 groups"):
+        compute_advantages("flow_grpo", rewards, prompts=["a", "a", "b"])
+
+
 def test_advantages_are_clipped():
     rewards = torch.zeros(1, 50, 3)
     rewards[0, 0, -1] = 100.0  # one outlier: (100 - 2) / std ~ 7 > 5

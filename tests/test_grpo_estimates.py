@@ -145,6 +145,12 @@ def test_advantages_follow_the_credit_options():
     final = rewards[:, -1].reshape(2, 4)
     want = (final - final.mean(1, keepdim=True)) / (final.std(correction=0) + load_config("flow_grpo").credit_opts.eps)
     torch.testing.assert_close(global_std[:, 0], want.flatten(), rtol=1e-5, atol=1e-6)
+    # the two groups drew one prompt: its statistics are those of all eight samples
+    pooled = grpo.advantages(rewards, load_config("flow_grpo", ["rollout.groups=2", "rollout.group_size=4"]),
+                             prompts=["a red circle", "a red circle"])  # fmt: skip
+    all8 = final.flatten()
+    want = (all8 - all8.mean()) / (all8.std(correction=0) + load_config("flow_grpo").credit_opts.eps)
+    torch.testing.assert_close(pooled[:, 0], want, rtol=1e-5, atol=1e-6)
 
 
 def test_category_rewards_average_each_groups_members_then_the_groups_of_a_tag():
