@@ -149,8 +149,6 @@ def step_coefficients(
         ca = (1 - s64) + c
         cb = c * (1 - t64) - (1 - s64) * t64
         sig_kl = std
-    if check_kl and bool((sig_kl <= 0).any()):
-        raise ValueError(sde.KL_OF_A_DETERMINISTIC_STEP)
     w = 1.0 if reduce == "sum" else 1.0 / reduced
     if convention == "gaussian":
         if check_std and bool((std <= 0).any()):
@@ -163,6 +161,8 @@ def step_coefficients(
     else:
         lp_scale = torch.full_like(t64, -w)
         lp_const = torch.zeros_like(t64)
+    if check_kl and bool((sig_kl <= 0).any()):  # after the log-prob's check, in the torch backend's order
+        raise ValueError(sde.KL_OF_A_DETERMINISTIC_STEP)
     kl_scale = cb**2 / (2 * sig_kl**2 * numel)
     table = torch.stack(
         [ca, cb, std, lp_scale, lp_const, kl_scale, -2 * lp_scale * cb, 2 * kl_scale], dim=1

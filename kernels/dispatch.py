@@ -98,7 +98,8 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
     if reduce not in sde.REDUCTIONS:
         raise ValueError(f"unknown reduction {reduce!r}: expected one of {sde.REDUCTIONS}")
     for name, tensor in {"x_t": x_t, **others}.items():
-        if tensor is not None and not isinstance(tensor, torch.Tensor):
+        optional = name in ("noise", "v_ref")  # drawn when None; no KL when None
+        if not isinstance(tensor, torch.Tensor) and not (optional and tensor is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if x_t.dim() < 1:
         raise ValueError("x_t needs a batch dimension")

@@ -62,14 +62,14 @@ def flow_grpo(rewards, global_std: bool = False, eps: float = EPS, adv_clip: flo
 
     mean and std over the samples of the prompt, or std over the whole batch with `global_std`; the
     same A_i at every step. `prompts`: a key per group (its prompt text). Flow-GRPO keys its statistics
-    by prompt text, so groups that share a prompt (a prompt file listing it twice) share them; without
-    keys, or with every key different, each group is its own prompt.
+    by prompt (the tokenizer's decoding of it), so groups that share a prompt (a prompt file listing it
+    twice) share them; without keys, or with every key different, each group is its own prompt.
     """
     final = rewards[..., -1]
     std = final.std(correction=0) if global_std else None
+    if prompts is not None and len(prompts) != final.shape[0]:
+        raise ValueError(f"prompts: {len(prompts)} keys for {final.shape[0]} groups")
     if prompts is not None and len(set(prompts)) < len(prompts):
-        if len(prompts) != final.shape[0]:
-            raise ValueError(f"prompts: {len(prompts)} keys for {final.shape[0]} groups")
         adv = torch.empty_like(final)
         for key in dict.fromkeys(prompts):
             rows = [g for g, k in enumerate(prompts) if k == key]

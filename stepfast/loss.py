@@ -44,9 +44,11 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, sigma: torch.Ten
 
     sig is the sampler's noise scale WITHOUT the sqrt(dt) of flow_sde (`stepfast.sde.kl_sigma`).
     """
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=mean.device)
-    if not torch.compiler.is_compiling() and bool((sigma <= 0).any()):  # as the kernels refuse it
+    sigma = torch.as_tensor(sigma, dtype=torch.float32)
+    # as the kernels refuse it; read where sigma is (the trainer's times are on the host: no device sync)
+    if not torch.compiler.is_compiling() and bool((sigma <= 0).any()):
         raise ValueError(KL_OF_A_DETERMINISTIC_STEP)
+    sigma = sigma.to(mean.device)
     sq = (mean.float() - mean_ref.float()) ** 2
     return per_sample(sq, torch.mean) / (2 * sigma.reshape(-1) ** 2)
 

@@ -116,8 +116,9 @@ def test_flow_grpo_pools_the_groups_of_one_prompt_as_the_stat_tracker_does(globa
         assert np.allclose(adv[..., j].numpy(), np.clip(ref.reshape(g, n), -5, 5), atol=1e-5)
     distinct = compute_advantages("flow_grpo", rewards, global_std=global_std, prompts=list("abcde"))
     assert torch.equal(distinct, compute_advantages("flow_grpo", rewards, global_std=global_std))
-    with pytest.raises(ValueError, match="3 keys for 5 groups"):
-        compute_advantages("flow_grpo", rewards, prompts=["a", "a", "b"])
+    for keys in (["a", "a", "b"], ["a", "b", "c"]):
+        with pytest.raises(ValueError, match="3 keys for 5 groups"):
+            compute_advantages("flow_grpo", rewards, prompts=keys)
 
 
 def test_advantages_are_clipped():

@@ -407,6 +407,11 @@ def test_errors_name_the_problem(backend):
         sde_logprob("euler", x, v, 0.5, 0.4, smp, backend=backend)
     with pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
         sde_logprob("ddim", x, v.tolist(), 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(TypeError, match="sample must be a torch.Tensor, got NoneType"):
+        sde_logprob("ddim", x, v, 0.5, 0.4, None, backend=backend)
+    # a step whose std is 0 refuses its Gaussian log-prob first, whether or not a KL is asked for
+    with pytest.raises(ValueError, match="log_prob of a deterministic step"):
+        sde_logprob("ddim", x, v, 1.0, 0.9, smp, v_ref=v, backend=backend)
     with pytest.raises(TypeError, match="noise must be a torch.Tensor, got ndarray"):
         with torch.no_grad():
             sde_step_with_logprob("ddim", x, v, 0.5, 0.4, inp["noise"].numpy(), backend=backend)
