@@ -235,7 +235,7 @@ def log_prob(
     sq = (x - mu) ** 2
     if convention == "gaussian":
         std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
-        if bool((std <= 0).any()):
+        if not torch.compiler.is_compiling() and bool((std <= 0).any()):  # a traced call cannot read it
             raise ValueError(
                 "log_prob of a deterministic step (std = 0): such a step carries no log-probability "
                 "(see stepfast.sde.degenerate_steps)"

@@ -726,15 +726,17 @@ def test_the_kernels_backward_runs_under_activation_checkpointing(backend, reent
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
-def test_the_torch_backend_compiles_whole_with_its_checks():
-    """The time check reads values: skipped while compiling (the fused paths' table is built on the
-    host), so a whole-graph compile of the torch backend still works."""
+@pytest.mark.parametrize("convention", ["cps", "gaussian"])
+def test_the_torch_backend_compiles_whole_with_its_checks(convention):
+    """The checks that read values (the times, a std or a KL sigma of 0) are skipped while compiling
+    (the fused paths' table is built on the host), so a whole-graph compile of the torch backend
+    works, with the Gaussian log-prob and the KL too."""
     inp = make_inputs("cps", "mean_prime")
 
     def loss(v):
-        lp, _ = sde_logprob("cps", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], convention="cps",
-                            backend="torch")  # fmt: skip
-        return lp.sum()
+        lp, kl = sde_logprob("cps", inp["x_t"], v, inp["t"], inp["s"], inp["sample"], v_ref=inp["v"] * 0.9,
+                             convention=convention, backend="torch")  # fmt: skip
+        return lp.sum() + kl.sum()
 
     grads = []
     for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
