@@ -54,8 +54,13 @@ def latest(output_dir: str | Path) -> Path | None:
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
         return None
-    done = [p for p in root.iterdir() if PATTERN.match(p.name) and (p / "COMPLETE").exists()]
+    done = [p for p in root.iterdir() if PATTERN.match(p.name) and is_complete(p)]
     return max(done, key=lambda p: p.name) if done else None
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether a checkpoint folder was written to the end: its COMPLETE marker is written last."""
+    return (Path(path) / "COMPLETE").exists()
 
 
 def iteration_of(path: str | Path) -> int | None:
@@ -104,7 +109,7 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
 
 def prune(root: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and stale .tmp folders."""
-    done = sorted(p for p in root.iterdir() if PATTERN.match(p.name) and (p / "COMPLETE").exists())
+    done = sorted(p for p in root.iterdir() if PATTERN.match(p.name) and is_complete(p))
     for old in done[: max(len(done) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("checkpoint-*.tmp"):
@@ -117,7 +122,7 @@ def check_world(path: Path, world: int) -> None:
     RNG files do not match its shards (a damaged checkpoint). Checks only a folder marked complete
     that has its engine state: `load` names what else is missing."""
     path = Path(path)
-    if not (path / "COMPLETE").exists() or not (path / "engine").is_dir():
+    if not is_complete(path) or not (path / "engine").is_dir():
         return
     # zero_pp_rank_{r}_mp_rank_00_optim_states.pt, with a bf16_ prefix under bf16
     shards = len(list((path / "engine").glob("*/*zero_pp_rank_*_optim_states.pt")))
@@ -138,7 +143,7 @@ def check_world(path: Path, world: int) -> None:
 def load(path: Path, engine, rank: int) -> dict:
     """Restore engine, RNG of this rank, and return the saved state dict."""
     path = Path(path)
-    if not (path / "COMPLETE").exists():
+    if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
     missing = [name for name in ("engine", "state.pt") if not (path / name).exists()]
     if missing:

@@ -126,7 +126,9 @@ def held_out_gain(evals: dict) -> dict | None:
     return paired_gain(*samples)
 
 
-def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, after: dict | None, cfg) -> Path:
+def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg) -> Path:
+    """report/ of a run: curves, tables, the held-out gain, and the sample grids: the one after
+    training drawn from `after`'s images, the one before linked where the trainer saved it."""
     from stepfast.heldout import markdown_table
 
     report = Path(out) / "report"
@@ -159,12 +161,11 @@ def write_report(out: Path, rows: list[dict], evals: dict, before: dict | None, 
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
                       f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
                       "training seed spread on top of it.", ""]  # fmt: skip
-    for tag, result in (("before", before), ("after", after)):
-        if result is not None and "images" in result:
-            save_grid(out, tag, result, cfg)
-            lines += grid_link(tag)
-        elif tag == "before" and (report / "samples_before.png").is_file():
-            lines += grid_link(tag)  # drawn at the start of a run that was stopped and resumed since
+    if (report / "samples_before.png").is_file():  # the trainer saves it when it draws it, before training
+        lines += grid_link("before")
+    if after is not None and "images" in after:
+        save_grid(out, "after", after, cfg)
+        lines += grid_link("after")
     (report / "summary.md").write_text("\n".join(lines))
     return report
 
@@ -285,7 +286,7 @@ def rebuild_report(run_dir) -> Path:
     except OSError as exc:
         raise RunFolderError(f"cannot write in {run_dir}: {exc}") from exc
     try:
-        fresh = write_report(tmp, rows, evals, None, None, cfg)
+        fresh = write_report(tmp, rows, evals, None, cfg)
         lines = [line for tag in ("before", "after") if (report / f"samples_{tag}.png").is_file()
                  for line in grid_link(tag)]  # fmt: skip
         if lines:

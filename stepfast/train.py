@@ -426,10 +426,9 @@ class Trainer:
     def fit(self) -> None:
         cfg = self.cfg
         last = None
-        before = None
         if cfg.eval.before_after and "before" not in self.evals:
             before = self.evaluate("before", keep_images=True)
-            if self.main and cfg.log.report:  # saved now: a resumed run's report shows it too
+            if self.main and cfg.log.report:  # saved now, once: the report links it, a resumed run's too
                 from stepfast.report import save_grid
 
                 save_grid(self.out, "before", before, cfg)
@@ -472,7 +471,7 @@ class Trainer:
                 print(f"stepfast: held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} "
                       "(one standard error over the prompts and seeds drawn)")  # fmt: skip
             if cfg.log.report:
-                write_report(self.out, self.logger.rows, self.evals, before, after, cfg)
+                write_report(self.out, self.logger.rows, self.evals, after, cfg)
         self.logger.close()
         self.scorer.close()
         last = last or self.resume_from  # nothing trained after the checkpoint resumed
@@ -605,7 +604,7 @@ def resume_problem(path: Path) -> str | None:
         return f"checkpoint {str(path)!r} does not exist (use auto, none or a checkpoint dir)"
     if not path.is_dir():
         return f"checkpoint {str(path)!r} is a file, not a checkpoint dir (use auto, none or a checkpoint dir)"
-    if (path / "COMPLETE").exists():
+    if checkpoint.is_complete(path):
         return None
     if (path / "checkpoints").is_dir() or (path / "metrics.csv").exists():
         return (f"{path} is a run's output_dir, not one of its checkpoints: continue its newest with "

@@ -78,7 +78,7 @@ def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
     report = run / "report"
     # what write_report makes of the same data, held in memory as the trainer holds it
-    expected = write_report(tmp_path / "expected", rows, evals, None, None, load_config(str(run / "config.yaml"), ["resume=none"]))
+    expected = write_report(tmp_path / "expected", rows, evals, None, load_config(str(run / "config.yaml"), ["resume=none"]))
     summary = (report / "summary.md").read_text()
     assert summary.startswith((expected / "summary.md").read_text())
     assert "flow_grpo credit" in summary and "Iterations: 6" in summary
