@@ -152,6 +152,21 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     assert list((out / "tensorboard").iterdir())
 
 
+def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path) -> int:
+    """Starts the trainer on `config`, sends it `sig` once checkpoint 2 of `out` is complete, and
+    returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run)."""
+    cmd = [sys.executable, str(TRAIN), "--config", str(config)]
+    with err.open("w") as handle:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True)
+        deadline = time.time() + 600
+        while not checkpoint.is_complete(out / "checkpoints" / "checkpoint-000002"):
+            assert proc.poll() is None, err.read_text()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        return proc.wait(timeout=120)
+
+
 def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
     from safetensors.torch import load_file
 
@@ -160,16 +175,7 @@ def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
     cfg = yaml.safe_load(config.read_text())
     cfg["output_dir"] = str(out)
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    cmd = [sys.executable, str(TRAIN), "--config", str(config)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    marker = out / "checkpoints" / "checkpoint-000002" / "COMPLETE"
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    signal_after_checkpoint_2(config, out, signal.SIGKILL, tmp_path / "stderr.txt")
     assert checkpoint.latest(out).name == "checkpoint-000002"
     resumed = train(config, "resume=auto")
     assert "other settings" not in resumed.stderr and not list(out.glob("config-until-*"))  # the same settings
@@ -195,19 +201,10 @@ def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_pa
     cfg = yaml.safe_load(config.read_text())
     cfg["output_dir"] = str(out)
     cfg["iterations"] = 1000  # still training when the signal comes (an iteration here takes ~0.3 s)
-    cmd = [sys.executable, str(TRAIN), "--config", str(write_config(tmp_path / "cfg.yaml", cfg))]
-    err = tmp_path / "stderr.txt"  # a file, not a pipe: unread, a pipe fills up and stalls the run
-    with err.open("w") as handle:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True)
-        deadline = time.time() + 600
-        while not (out / "checkpoints" / "checkpoint-000002" / "COMPLETE").exists():
-            assert proc.poll() is None, err.read_text()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+    err = tmp_path / "stderr.txt"
+    returncode = signal_after_checkpoint_2(write_config(tmp_path / "cfg.yaml", cfg), out, signal.SIGINT, err)
     stderr = err.read_text()
-    assert proc.returncode == 130, stderr[-3000:]
+    assert returncode == 130, stderr[-3000:]
     assert "stepfast: training stopped at iteration " in stderr and ": KeyboardInterrupt" in stderr
     assert f"stepfast: last checkpoint: {out / 'checkpoints' / 'checkpoint-0000'}" in stderr  # 2, or one after it
     assert "Traceback" not in stderr, stderr[-3000:]
