@@ -17,6 +17,8 @@ from .loss import grpo_step_loss
 from .policy import PromptEmbeddings, decode, reference_policy, velocity
 from .estimates import EstimateEngine
 from .rollout import Trajectory, sample_trajectory
+from .rewards.combine import ScoreError
+from .rewards.geneval_remote import is_tag_column
 
 
 def sde_params(cfg: Config) -> dict:
@@ -125,21 +127,43 @@ def distinct_rows(states: torch.Tensor, t: torch.Tensor, prompt: torch.Tensor) -
     return keep, position[sets]
 
 
-def submit_scores(scorer, images: torch.Tensor, prompts: list[str], metadata: list | None, batch_size: int) -> list[Future]:
-    """Queue images [M, 3, H, W] for scoring in chunks of batch_size; `collect_scores` gathers them."""
+def submit_scores(scorer, images: torch.Tensor, prompts: list[str], metadata: list | None,
+                  batch_size: int) -> list[tuple[int, Future]]:  # fmt: skip
+    """Queue images [M, 3, H, W] for scoring in chunks of batch_size: (first image, future) per
+    chunk, which `collect_scores` gathers."""
     pending = []
     for start in range(0, images.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        pending.append(scorer.submit(images[sl], prompts[sl], None if metadata is None else metadata[sl]))
+        pending.append((start, scorer.submit(images[sl], prompts[sl], None if metadata is None else metadata[sl])))
     return pending
 
 
-def collect_scores(pending: list[Future]) -> dict[str, torch.Tensor]:
-    """The scores of every chunk, concatenated: {key: [M]} (the reward's error, if it raised)."""
+def collect_scores(pending: list[tuple[int, Future]], describe=None) -> dict[str, torch.Tensor]:
+    """The scores of every chunk, concatenated: {key: [M]}. The reward's error, if it raised; NaN
+    or infinite scores with each image named by `describe(position)`, when given. A per-tag column
+    (GenEval's, -10 for the images of other tags) that some chunks lack is -10 there; any other key
+    that some chunks lack is an error, since its values would not line up with the images."""
     parts: dict[str, list[torch.Tensor]] = {}
-    for future in pending:
-        for k, v in future.result().items():
-            parts.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
+    sizes = []
+    for start, future in pending:
+        try:
+            out = future.result()
+        except ScoreError as exc:
+            if describe is None:
+                raise
+            raise exc.naming(lambda i: describe(start + i)) from None
+        n = len(out["score"])
+        for k, v in out.items():
+            column = parts.setdefault(k, [torch.full((s,), -10.0) if is_tag_column(k) else None for s in sizes])
+            column.append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
+        for k, column in parts.items():
+            if len(column) == len(sizes):  # not in this chunk
+                column.append(torch.full((n,), -10.0) if is_tag_column(k) else None)
+        sizes.append(n)
+    uneven = sorted(k for k, column in parts.items() if any(v is None for v in column))
+    if uneven:
+        raise ValueError(f"the reward returned {uneven} for some batches of images only, so they cannot be "
+                         "lined up with the images")  # fmt: skip
     return {k: torch.cat(v) for k, v in parts.items()}
 
 

@@ -170,10 +170,15 @@ def plan_samples(metadata: list[dict], seeds: int | list[int] = 4, min_images: i
 
 
 def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *, batch_size: int = 32,
-                   reward=None, size: int | None = None, progress: bool = True) -> dict:  # fmt: skip
-    """Sample and score the images of `plan` (or of one rank's share of it). Returns, in plan
-    order, numpy arrays "strict", "score", "category" (the reward's; -1 where it gives none) and
-    "pixels" (uint8 [N, H, W, 3]), and "seconds"."""
+                   reward=None, reward_name: str = "shapes", size: int | None = None,
+                   progress: bool = True) -> dict:  # fmt: skip
+    """Sample and score the images of `plan` (or of one rank's share of it) with `reward` (ShapeEval's
+    when None), named `reward_name` in its errors: scores that are not one finite number per image
+    are refused, each bad image named by its prompt and seed. Returns, in plan order, numpy arrays
+    "strict", "score", "category" (the reward's; -1 where it gives none) and "pixels" (uint8
+    [N, H, W, 3]), and "seconds"."""
+    from stepfast.rewards.combine import ScoreError, check_scores
+
     if reward is None:
         from stepfast.rewards import load
 
@@ -184,7 +189,10 @@ def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *
     images = sample_images(pipe, prompts, [s for _, s in plan], steps, cfg, batch_size, size, progress)
     sampled = time.perf_counter()
     pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    out = reward.score(pixels, prompts, metas)
+    try:
+        out = check_scores(reward_name, reward.score(pixels, prompts, metas), len(metas))
+    except ScoreError as exc:
+        raise exc.naming(lambda i: f"prompt {prompts[i]!r}, seed {plan[i][1]}") from None
     scored = time.perf_counter()
     return {
         "strict": _strict(out, len(metas)),

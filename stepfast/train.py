@@ -45,6 +45,7 @@ from stepfast.report import eval_tag
 from stepfast.rewards import PromptError
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
+from stepfast.rewards.transport import RewardServerError
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -345,11 +346,12 @@ class Trainer:
         times["time/estimates"] = self._clock() - t0
 
         t0 = self._clock()
-        final = grpo.collect_scores(pending_final)
+        name_final, name_estimate = self._image_names(batch, texts)  # for an error about a reward
+        final = grpo.collect_scores(pending_final, name_final)
         local_rewards = torch.zeros(len(texts), cfg.sde.steps + 1)
         local_rewards[:, -1] = final["score"]
         if self.stepwise:
-            local_rewards[:, :-1] = grpo.collect_scores(pending_est)["score"].reshape(steps, -1).T
+            local_rewards[:, :-1] = grpo.collect_scores(pending_est, name_estimate)["score"].reshape(steps, -1).T
         global_rewards = all_gather_cat(local_rewards.to(self.device), self.world).cpu()
         group_texts = [self.prompts[i].prompt for i in self.sampler.group_prompts(it)]  # every rank's groups
         adv = grpo.advantages(global_rewards, cfg, group_texts)[batch.start: batch.start + len(texts)]
@@ -373,6 +375,19 @@ class Trainer:
         metrics.update(grpo.category_rewards(global_rewards[:, -1], tags, cfg.rollout.group_size))
         metrics["time/iteration"] = sum(v for k, v in metrics.items() if k.startswith("time/"))
         return metrics
+
+    def _image_names(self, batch, texts: list[str]):
+        """What the final image and the estimate at position i of this rank's scored batches are,
+        in words: (name_final(i), name_estimate(i)), for a reward's error about them."""
+
+        def sample(k: int) -> str:
+            return f"group {batch.groups[k] + 1}, member {batch.members[k] + 1} ({texts[k]!r})"
+
+        def estimate(i: int) -> str:  # state j of sample k sits at j * B + k
+            j, k = divmod(i, len(texts))
+            return f"{sample(k)}: the estimate from state {j} (t = {float(self.grid[j]):.3f})"
+
+        return (lambda i: f"{sample(i)}: the final image"), estimate
 
     def _eval_setup(self, records: list[PromptRecord]) -> EvalSetup:
         """The held-out prompts (eval.prompts' `records`), the images to draw of them, and their
@@ -398,7 +413,7 @@ class Trainer:
         share, real = heldout.shard(plan, self.rank, self.world)
         with self.ema.applied(self.engine.module) if self.ema is not None else contextlib.nullcontext():
             scored = heldout.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg,
-                                            batch_size=cfg.eval.batch_size, reward=reward,
+                                            batch_size=cfg.eval.batch_size, reward=reward, reward_name=cfg.eval.reward,
                                             size=cfg.rollout.resolution, progress=self.main)  # fmt: skip
         scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
         if self.world > 1:
@@ -453,10 +468,10 @@ class Trainer:
                 latest = checkpoint.latest(self.out)
                 print(f"\nstepfast: training stopped at iteration {it}: {type(exc).__name__}: {exc}\n"
                       f"stepfast: last checkpoint: {latest or 'none'}", file=sys.stderr)  # fmt: skip
+                exc.stepfast_reported = True  # main() does not say it again; another rank's own error it does
             # the batches still queued for the reward are dropped: scored at exit, against a reward
             # server that has died, each would wait out its retries before the process could end
             self.scorer.close(wait=False)
-            exc.stepfast_reported = True  # main() says nothing more about it
             raise
         finally:
             bar.close()
@@ -659,10 +674,12 @@ def _main(argv=None) -> int:
     torch.manual_seed(cfg.seed + rank)
     try:
         Trainer(cfg, rank, world, device, prompts).fit()
-    except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
-        # bad input (config, model directory, prompt file, reward name, a NaN reward): the message names it
-        print(f"stepfast: error: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError, RewardServerError) as exc:
+        # bad input (config, model directory, prompt file, reward name, a NaN reward) or a reward
+        # server that stopped answering: the message names it
+        if not getattr(exc, "stepfast_reported", False):
+            print(f"stepfast: {f'rank {rank}: ' if world > 1 else ''}error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, RewardServerError) else 2
     finally:
         # Left to the interpreter's exit, gloo's threads can abort the process ("terminate called
         # without an active exception", exit code 250 for the 2 of a named error) when a rank stops

@@ -172,6 +172,30 @@ def test_shards_pad_to_equal_lengths_and_unshard_restores_the_order(n, world):
     assert merged["seconds"]["sampling"] == max(real for _, real in shares)
 
 
+class _Scores:
+    """An evaluation reward that returns what it is given, whatever the images."""
+
+    def __init__(self, **out):
+        self.out = out
+
+    def score(self, images, prompts, metadata=None):
+        return self.out
+
+
+@pytest.mark.parametrize("out, message", [
+    ({"score": torch.tensor([0.5, float("nan"), 0.2])},
+     "reward 'judge' returned NaN scores for 1 of 3 images: prompt 'b', seed 0$"),
+    ({"score": torch.zeros(4)}, r"reward 'judge' returned 'score' of shape \(4,\), expected \[3\]"),
+    ({"score": torch.zeros(3), "strict": torch.zeros(2)}, r"'strict' of shape \(2,\)"),
+])  # fmt: skip
+def test_evaluation_scores_are_checked_and_a_bad_one_names_its_image(monkeypatch, out, message):
+    """As the training reward's are: a NaN would otherwise be averaged into the held-out table."""
+    monkeypatch.setattr(heldout, "sample_images", lambda pipe, prompts, *a: torch.zeros(len(prompts), 3, 8, 8))
+    plan = [({"prompt": "a"}, 0), ({"prompt": "b"}, 0), ({"prompt": "a"}, 1)]
+    with pytest.raises(ValueError, match=message):
+        heldout.draw_and_score(None, plan, 2, 1.0, reward=_Scores(**out), reward_name="judge", progress=False)
+
+
 def test_prompt_text_file_is_parsed_and_bad_lines_are_named(tmp_path):
     good = tmp_path / "p.txt"
     good.write_text("a photo of two circles\n\na photo of a red square\n")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from stepfast import rewards
 from stepfast.rewards.async_scoring import AsyncScorer
-from stepfast.rewards.combine import WeightedReward
+from stepfast.rewards.combine import ScoreError, WeightedReward, check_scores
 from stepfast.rewards.images import to_uint8
 
 
@@ -172,6 +172,37 @@ def test_weighted_reward_names_a_nan_part(images):
         reward.score(images, PROMPTS)
 
 
+class InfReward:
+    def score(self, images, prompts, metadata=None):
+        return {"score": torch.tensor([0.5, float("inf"), 0.1])}
+
+
+@pytest.mark.parametrize("values, kind, bad", [([0.5, float("inf"), 0.1], "infinite", r"\[1\]"),
+                                               ([float("-inf"), float("nan"), 0.1], "NaN and infinite", r"\[0, 1\]")])
+def test_check_scores_refuses_infinite_scores(values, kind, bad):
+    with pytest.raises(ScoreError, match=rf"reward 'r' returned {kind} scores for images {bad} of 3"):
+        check_scores("r", {"score": torch.tensor(values)}, 3)
+
+
+def test_weighted_reward_names_an_infinite_part_even_at_weight_zero(images):
+    """0 * inf is NaN: the sum's error would blame the combined reward, not the part."""
+    reward = WeightedReward({f"{__name__}:InfReward": 0.0, "jpeg_compressibility": 1.0})
+    with pytest.raises(ScoreError, match=r"InfReward.*infinite scores for images \[1\]"):
+        reward.score(images, PROMPTS)
+
+
+def test_check_scores_gives_float32_cpu_tensors():
+    out = check_scores("r", {"score": np.array([1, 2], dtype=np.int64), "extra": torch.ones(2, dtype=torch.float64)}, 2)
+    assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in out.values())
+    torch.testing.assert_close(out["score"], torch.tensor([1.0, 2.0]))
+
+
+def test_a_score_error_names_the_images_as_its_caller_describes_them():
+    exc = ScoreError("r", "NaN", list(range(7)), 9)
+    named = exc.naming(lambda i: f"image {i + 10}", limit=2)
+    assert str(named) == "reward 'r' returned NaN scores for 7 of 9 images: image 10; image 11; and 5 more"
+
+
 def test_async_scorer_overlaps_and_keeps_order(images):
     started, release = threading.Event(), threading.Event()
     seen = []
@@ -302,3 +333,37 @@ def test_the_local_path_options_the_trainer_checks_are_options_of_their_rewards(
         assert name in rewards.REGISTRY
         for option in options:
             assert rewards.takes_option(name, option), (name, option)
+
+
+class ChunkReward:
+    """Scores each image by its position in the whole batch (read from its prompt); a GenEval-style
+    column for the tags in each chunk only; NaN for the prompts "nan"; an extra key in some chunks."""
+
+    def score(self, images, prompts, metadata=None):
+        out = {"score": torch.tensor([float("nan") if p == "nan" else float(p) for p in prompts])}
+        for tag in sorted({m["tag"] for m in metadata}):
+            out[f"{tag}_accuracy"] = torch.tensor([1.0 if m["tag"] == tag else -10.0 for m in metadata])
+        if any(m.get("extra") for m in metadata):
+            out["sometimes"] = torch.zeros(len(prompts))
+        return out
+
+
+def test_collected_scores_line_up_with_the_images_across_chunks():
+    from stepfast.grpo import collect_scores, submit_scores
+
+    scorer = AsyncScorer(WeightedReward({f"{__name__}:ChunkReward": 1.0}))
+    images = torch.zeros(7, 3, 4, 4)
+    tags = ["a", "a", "a", "b", "b", "c", "a"]  # chunks of 3: {a}, {b, c}, {a}
+    metadata = [{"tag": t} for t in tags]
+    out = collect_scores(submit_scores(scorer, images, [str(i) for i in range(7)], metadata, 3))
+    torch.testing.assert_close(out["score"], torch.arange(7.0))
+    for tag in "abc":  # -10 where a chunk had no column for the tag, as within one GenEval answer
+        key = f"{__name__}:ChunkReward/{tag}_accuracy"
+        torch.testing.assert_close(out[key], torch.tensor([1.0 if t == tag else -10.0 for t in tags]))
+    metadata[4]["extra"] = True  # a key that some chunks lack and that has no fill value
+    with pytest.raises(ValueError, match=r"\['test_rewards_combine:ChunkReward/sometimes'\] for some batches"):
+        collect_scores(submit_scores(scorer, images, [str(i) for i in range(7)], metadata, 3))
+    prompts = ["0", "1", "2", "3", "nan", "5", "nan"]  # positions 4 and 6, in the second and third chunks
+    with pytest.raises(ValueError, match=r"NaN scores for 1 of 3 images: image 4$"):
+        collect_scores(submit_scores(scorer, images, prompts, metadata, 3), lambda i: f"image {i}")
+    scorer.close()

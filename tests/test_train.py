@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -948,9 +949,24 @@ def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp
     cfg["reward"] = {"weights": {"train_helpers:nan_reward": 1.0}}
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), "resume=auto", "iterations=6", check=False)
     assert proc.returncode == 2
-    assert "returned NaN scores for images [" in proc.stderr, proc.stderr[-2000:]
+    # the image, by its group, member and prompt, and the error said once, not again by main()
+    named = r"returned NaN scores for 1 of 8 images: group \d, member \d \('[^']+'\): the final image"
+    assert len(re.findall(named, proc.stderr)) == 1, proc.stderr[-2000:]
     assert "last checkpoint" in proc.stderr and "checkpoint-000004" in proc.stderr
     assert checkpoint.latest(out).name == "checkpoint-000004"
+
+
+def test_a_reward_error_names_the_estimate_by_its_sample_and_state():
+    from types import SimpleNamespace
+
+    from stepfast.data.sampler import LocalBatch
+    from stepfast.train import Trainer
+
+    batch = LocalBatch(indices=[0, 1, 2], groups=[1, 1, 2], members=[2, 3, 0], start=6)
+    trainer = SimpleNamespace(grid=torch.tensor([1.0, 0.75, 0.5, 0.0]))
+    final, estimate = Trainer._image_names(trainer, batch, ["a cat", "a cat", "a dog"])
+    assert final(2) == "group 3, member 1 ('a dog'): the final image"
+    assert estimate(3 * 2 + 1) == "group 2, member 4 ('a cat'): the estimate from state 2 (t = 0.500)"
 
 
 def test_reward_server_death_stops_training_with_its_error_and_keeps_checkpoints(model_dir, tmp_path):

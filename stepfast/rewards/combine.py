@@ -19,23 +19,43 @@ from stepfast.rewards.geneval_remote import is_tag_column
 from stepfast.rewards.paths import RewardFileError
 
 
+class ScoreError(ValueError):
+    """Scores that are NaN or infinite, from `check_scores`: `images` their positions (from 0) in
+    the batch scored. A caller that knows what those images are says so with `naming`."""
+
+    def __init__(self, name: str, kind: str, images: list[int], batch: int):
+        self.name, self.kind, self.images, self.batch = name, kind, images, batch
+        super().__init__(f"reward {name!r} returned {kind} scores for images {images[:10]} of {batch}")
+
+    def naming(self, describe, limit: int = 5) -> ValueError:
+        """The same error with each image named by `describe(position)` (at most `limit` of them)."""
+        shown = "; ".join(describe(i) for i in self.images[:limit])
+        more = f"; and {len(self.images) - limit} more" if len(self.images) > limit else ""
+        return ValueError(f"reward {self.name!r} returned {self.kind} scores for {len(self.images)} of "
+                          f"{self.batch} images: {shown}{more}")  # fmt: skip
+
+
 def check_scores(name: str, out, batch: int) -> dict[str, torch.Tensor]:
-    """`out` as a dict of float32 tensors [batch] with "score", or a ValueError naming the reward."""
+    """`out` as a dict of float32 CPU tensors [batch] with a finite "score", or a ValueError naming
+    the reward (a `ScoreError` for scores that are NaN or infinite)."""
     if not isinstance(out, Mapping):
         raise ValueError(f"reward {name!r} returned {type(out).__name__}, expected a dict of tensors")
     if "score" not in out:
         raise ValueError(f"reward {name!r} returned keys {sorted(out)} without 'score'")
     checked = {}
     for key, value in out.items():
-        value = torch.as_tensor(value, dtype=torch.float32)
+        # on the CPU: a custom model reward may leave its scores on its GPU, and the parts are summed
+        value = torch.as_tensor(value).detach().to(device="cpu", dtype=torch.float32)
         if value.shape != (batch,):
             raise ValueError(
                 f"reward {name!r} returned {key!r} of shape {tuple(value.shape)}, expected [{batch}]"
             )
         checked[key] = value
-    bad = torch.nonzero(torch.isnan(checked["score"])).flatten().tolist()
+    score = checked["score"]
+    bad = torch.nonzero(~torch.isfinite(score)).flatten().tolist()
     if bad:
-        raise ValueError(f"reward {name!r} returned NaN scores for images {bad[:10]} of {batch}")
+        nan, inf = bool(torch.isnan(score).any()), bool(torch.isinf(score).any())
+        raise ScoreError(name, "NaN and infinite" if nan and inf else "NaN" if nan else "infinite", bad, batch)
     return checked
 
 
