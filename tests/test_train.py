@@ -997,7 +997,7 @@ def test_reward_server_death_stops_training_with_its_error_and_keeps_checkpoints
         _, stderr = trainer.communicate(timeout=600)
     finally:
         server.kill()
-    assert trainer.returncode != 0
+    assert trainer.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]  # its message, not a traceback
     assert "RewardServerError" in stderr and f"127.0.0.1:{port}" in stderr
     assert "last checkpoint" in stderr
     latest = checkpoint.latest(out)
