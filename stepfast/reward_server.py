@@ -17,8 +17,9 @@ Errors: 400 for a malformed request (the body says what is wrong: JSON it cannot
 that is no PNG or has over PIL's Image.MAX_IMAGE_PIXELS pixels, prompts or metadata that a served
 reward's check() rejects), 404 for another path, 411 without Content-Length, 413 for a body over
 --max-request-mb or images that declare more pixels in all than --max-request-mpixels (read from
-their headers, before any is decoded), 500 when a reward raises while scoring (its error in the
-body; clients retry 500s, not 4xx).
+their headers, before any is decoded), 422 when a reward's scores are not one finite number per
+image (NaN, say), 500 when a reward raises while scoring (its error in the body; clients retry
+500s, not 4xx: the same images would get the same NaN).
 
 Batching: a single worker thread owns the reward models. It takes the first waiting request, then
 keeps collecting requests for up to --batch-window-ms or until --batch-size images, and scores them
@@ -68,6 +69,13 @@ class TooLarge(BadRequest):
     """The request asks for more than this server takes at once (HTTP 413)."""
 
     status = 413
+
+
+class BadScores(ValueError):
+    """A reward's scores of a request that are not one finite number per image (HTTP 422: asked
+    again, the reward would score the same images alike, so clients do not retry it)."""
+
+    status = 422
 
 
 @dataclass
@@ -283,7 +291,10 @@ class Batcher:
             meta = None if metadata is None else metadata[i : i + self.batch_size]
             out = self.rewards[name].score(images[i : i + self.batch_size], prompts[i : i + self.batch_size], meta)
             self.calls += 1
-            chunks.append(check_scores(name, out, len(prompts[i : i + self.batch_size])))
+            try:
+                chunks.append(check_scores(name, out, len(prompts[i : i + self.batch_size])))
+            except ValueError as exc:
+                raise BadScores(str(exc)) from None
         return {key: torch.cat([c[key] for c in chunks]) for key in chunks[0]}
 
 
@@ -354,7 +365,7 @@ class ScoreHandler(BaseHTTPRequestHandler):
         future = self.server.batcher.submit(rewards, images, prompts, metadata)
         try:
             scores = future.result()
-        except BadRequest as exc:  # a reward's check() rejects the prompts or metadata
+        except (BadRequest, BadScores) as exc:  # a reward's check() rejects the request, or its scores are bad
             return self._send(exc.status, {"error": str(exc)})
         except Exception as exc:
             return self._send(500, {"error": f"{type(exc).__name__}: {exc}"})

@@ -161,6 +161,14 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
     finally:
         stop(failing)
 
+    # a reward that returns NaN: 422 with its error, at once (the same images would score alike)
+    failing = start({"shapes": rewards.load(f"{__name__}:gives_nan")})
+    try:
+        with pytest.raises(RewardServerError, match=r"after 1 attempt.*HTTP 422.*NaN scores for images \[0\]"):
+            rewards.load("remote", url=failing.url, rewards=["shapes"], **FAST).score(images[:1], prompts[:1])
+    finally:
+        stop(failing)
+
     small = start(local, max_request_bytes=4096)
     try:
         status, answer = post_raw(small, b"x" * 100_000)
@@ -175,6 +183,10 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
 
 def explodes(images, prompts, metadata):
     raise RuntimeError("reward model exploded")
+
+
+def gives_nan(images, prompts, metadata):
+    return {"score": torch.full((len(prompts),), float("nan"))}
 
 
 def blank_png(width: int, height: int) -> str:
