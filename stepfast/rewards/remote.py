@@ -4,9 +4,10 @@
                                    weights={"shapes": 1.0, "pickscore": 0.5}, timeout=120, retries=5)
     out = reward.score(images, prompts, metadata)
 
-With one reward the result is exactly that reward's dict, as if it ran here. With several, "score"
-is their weighted sum (weights default to 1) and each part appears as "<name>" and
-"<name>/<key>", as `WeightedReward` lays it out.
+With one reward and no `weights` the result is exactly that reward's dict, as if it ran here. With
+several, or with `weights`, "score" is their weighted sum (weights default to 1) and each part
+appears as "<name>" and "<name>/<key>", as `WeightedReward` lays it out: as `eval.reward`, such a
+bundle has no top-level "strict", so the held-out table's strict columns read nan.
 
 Images travel as PNG (lossless: the server scores the same uint8 pixels `to_uint8` gives here),
 at most `batch_size` per request. Failures are retried with exponential backoff (see
