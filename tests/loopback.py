@@ -10,11 +10,21 @@ class LoopbackServer:
     when `answer` returns None (the connection is then closed unanswered). `requests` records each
     request as (path, headers, body)."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, get=None):
+        """`get(path) -> (status, payload bytes)` answers GETs, when given (else 501)."""
         self.requests = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            if get is not None:
+
+                def do_GET(self):
+                    status, payload = get(self.path)
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append((self.path, dict(self.headers), body))

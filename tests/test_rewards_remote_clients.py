@@ -95,8 +95,9 @@ def test_vlm_judge_defaults_follow_unified_reward(images):
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
 
-def geneval_answer(fail_first: list):
-    """Flow-GRPO's GenEval server protocol, with results computed from the metadata."""
+def geneval_answer(fail_first: list, every_tag: bool = True):
+    """Flow-GRPO's GenEval server protocol, with results computed from the metadata; the per-tag
+    dicts hold every tag, or (every_tag=False) only the tags of the batch's images."""
 
     def answer(path, body):
         if fail_first:
@@ -107,7 +108,8 @@ def geneval_answer(fail_first: list):
             assert Image.open(io.BytesIO(jpeg), formats=["JPEG"]).size == (28, 20)
         metas = request["meta_datas"]
         strict = [float(m["i"] % 2) for m in metas]
-        group = {t: [s if m["tag"] == t else -10.0 for s, m in zip(strict, metas)] for t in TAGS}
+        tags = TAGS if every_tag else sorted({m["tag"] for m in metas})
+        group = {t: [s if m["tag"] == t else -10.0 for s, m in zip(strict, metas)] for t in tags}
         response = {
             "scores": [m["i"] / 10 for m in metas],
             "rewards": [0.0 if request["only_strict"] else 1.0 for _ in metas],
@@ -142,6 +144,60 @@ def test_geneval_remote_protocol(images):
         reward.score(images, PROMPTS)
     with pytest.raises(TypeError, match="pickle"):
         rewards.load("geneval_remote")
+
+
+def test_geneval_remote_fills_the_tags_a_batch_lacks_with_minus_ten(images):
+    """A batch's answer may hold only the tags of its own images: a tag first seen in a later batch,
+    or missing from one, still gets a value for every image (-10 for the images of other tags)."""
+    metas = [{"i": i, "tag": tag, "prompt": p} for i, (tag, p) in enumerate(zip(
+        ["colors", "colors", "counting", "colors", "position"], PROMPTS))]  # batches of 2: {colors}, {colors, counting}, {position}
+    with LoopbackServer(geneval_answer([], every_tag=False)) as server:
+        out = rewards.load("geneval_remote", url=server.url, batch_size=2, retries=0).score(images, PROMPTS, metas)
+    strict = [0.0, 1.0, 0.0, 1.0, 0.0]
+    for tag in ("colors", "counting", "position"):
+        expected = [s if m["tag"] == tag else -10.0 for s, m in zip(strict, metas)]
+        torch.testing.assert_close(out[f"{tag}_strict_accuracy"], torch.tensor(expected), msg=tag)
+    assert "single_object_accuracy" not in out
+
+
+def test_geneval_remote_is_checked_before_any_image_is_drawn():
+    """Its address when it loads, its server at start (a TCP connection: the protocol has no health
+    check), and a GenEval record for every prompt: a .txt prompt file has none."""
+    with pytest.raises(ValueError, match=r"URL '127.0.0.1:18085' must look like http://HOST:PORT"):
+        rewards.load("geneval_remote", url="127.0.0.1:18085")
+    with LoopbackServer(geneval_answer([])) as server:
+        reward = rewards.load("geneval_remote", url=server.url, retries=0)
+        reward.check_server()
+    with pytest.raises(ValueError, match=rf"reward server {server.url} does not accept connections after 2 attempt"):
+        rewards.load("geneval_remote", url=server.url, retries=1, backoff=0.01).check_server()
+    reward.check(["a", "b"], [{"tag": "colors"}, {"tag": "counting"}])
+    with pytest.raises(rewards.PromptError, match=r"prompt 2: .*GenEval metadata records"):
+        reward.check(["a", "b"], [{"tag": "colors"}, None])
+    with pytest.raises(rewards.PromptError, match=r"prompt 1: "):
+        reward.check(["a"], None)
+
+
+def test_vlm_judge_is_checked_at_load_and_start():
+    with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
+        rewards.load("vlm", url="localhost:8000")
+    models = json.dumps({"object": "list", "data": [{"id": "judge-7b"}, {"id": "other"}]}).encode()
+    with LoopbackServer(judge_answer([]), get=lambda path: (200, models) if path == "/v1/models" else (404, b"")) as server:
+        rewards.load("vlm", url=server.url, model="judge-7b", retries=0).check_server()
+        with pytest.raises(ValueError, match=r"/v1/models serves \['judge-7b', 'other'\], not model='judge-8b'"):
+            rewards.load("vlm", url=server.url + "/v1", model="judge-8b", retries=0).check_server()
+    with LoopbackServer(judge_answer([])) as server:  # no model list (GET answers 501): taken at its word
+        rewards.load("vlm", url=server.url, model="anything", retries=0).check_server()
+    with pytest.raises(ValueError, match="does not accept connections"):
+        rewards.load("vlm", url=server.url, retries=0).check_server()
+
+
+def test_ocr_refuses_a_prompt_without_quoted_text_before_any_image_is_drawn():
+    from stepfast.rewards.ocr import OcrReward
+
+    reward = object.__new__(OcrReward)  # check() reads no model (EasyOCR need not be installed)
+    reward.check(['a sign that says "open"', 'a "b" c'])
+    with pytest.raises(rewards.PromptError, match=r"prompt 2: OCR reward needs prompts with the text to render"):
+        reward.check(['a sign that says "open"', "a sign with no text"])
 
 
 def test_the_per_tag_columns_are_told_apart_from_the_per_image_ones():

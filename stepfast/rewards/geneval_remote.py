@@ -26,7 +26,8 @@ import pickle
 import torch
 
 from stepfast.rewards.images import to_pil
-from stepfast.rewards.transport import MalformedResponse, post
+from stepfast.rewards import PromptError
+from stepfast.rewards.transport import MalformedResponse, check_accepts_connections, check_url, post
 
 _LIST_KEYS = ("scores", "rewards", "strict_rewards")
 _GROUP_KEYS = ("group_rewards", "group_strict_rewards")
@@ -40,8 +41,22 @@ class GenEvalRemoteReward:
                 "reward 'geneval_remote' needs url=<the GenEval server you run>; its protocol is "
                 "pickle, so there is no default address"
             )
+        check_url(url)
         self.url, self.only_strict, self.batch_size = url, bool(only_strict), int(batch_size)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+
+    def check(self, prompts, metadata=None) -> None:
+        """Before any image is drawn: a PromptError for the first prompt without a GenEval record
+        (a `.txt` prompt file has none; the server scores the record, not the text)."""
+        for i in range(len(prompts)):
+            if metadata is None or not isinstance(metadata[i], dict) or "tag" not in metadata[i]:
+                raise PromptError(i, "reward 'geneval_remote' scores GenEval metadata records (prompts from a "
+                                     "*_metadata.jsonl file, each with its 'tag'); this prompt has none")  # fmt: skip
+
+    def check_server(self) -> None:
+        """A ValueError naming the server when it does not accept connections (its protocol has no
+        health check), tried as a score request is."""
+        check_accepts_connections(self.url, timeout=min(self.timeout, 10.0), retries=self.retries, backoff=self.backoff)
 
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         pil = to_pil(images)

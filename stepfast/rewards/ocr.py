@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stepfast.rewards import PromptError
 from stepfast.rewards.images import to_uint8
 
 
@@ -96,6 +97,15 @@ class OcrReward:
         return ["".join(text for _box, text, confidence in found if confidence > 0) for found in results]
 
     @torch.inference_mode()
+    def check(self, prompts, metadata=None) -> None:
+        """Before any image is drawn: a PromptError for the first prompt without text in double
+        quotes to compare the image's text with."""
+        for i, prompt in enumerate(prompts):
+            try:
+                quoted_text(prompt)
+            except ValueError as exc:
+                raise PromptError(i, str(exc)) from None
+
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         targets = [quoted_text(p) for p in prompts]
         texts = self.read(images)

@@ -79,6 +79,25 @@ def check_url(url: str) -> urllib.parse.SplitResult:
     return parts
 
 
+def check_accepts_connections(url: str, timeout: float = 10.0, retries: int = 0, backoff: float = 1.0) -> None:
+    """A ValueError naming `url` unless its host accepts a TCP connection on its port, tried as a
+    request is: for servers whose protocol has no health check, found at start rather than after
+    the first images are drawn."""
+    parts = check_url(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    last_failure = "no attempt made"
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+        try:
+            socket.create_connection((parts.hostname, port), timeout=timeout).close()
+            return
+        except OSError as exc:
+            last_failure = f"{type(exc).__name__}: {exc}"
+    raise ValueError(f"reward server {url} does not accept connections after {retries + 1} attempt(s) "
+                     f"({last_failure}); is it running?")  # fmt: skip
+
+
 def _request(method, url, body, headers, parse, timeout, retries, backoff, server) -> Any:
     if retries < 0 or timeout <= 0 or backoff < 0:
         raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")

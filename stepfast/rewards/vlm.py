@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from stepfast.rewards.images import to_pil
-from stepfast.rewards.transport import MalformedResponse, post
+from stepfast.rewards.transport import (MalformedResponse, RewardServerError, check_accepts_connections,
+                                       check_url, get_json, post)
 
 UNIFIED_REWARD_TEMPLATE = (
     "<image>\nYou are given a text caption and a generated image based on that caption. Your task is "
@@ -45,6 +46,7 @@ class VlmJudgeReward:
         if not url:
             raise TypeError("reward 'vlm' needs url=<http://HOST:PORT of an OpenAI-compatible server>")
         url = url.rstrip("/")
+        check_url(url)
         if url.endswith("/chat/completions"):
             self.endpoint = url
         elif url.endswith("/v1"):
@@ -63,6 +65,21 @@ class VlmJudgeReward:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = max(1, int(concurrency))
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+
+    def check_server(self) -> None:
+        """At start, a ValueError naming the server when it does not accept connections (tried as a
+        request is), or when its model list (`/v1/models`, which vLLM and SGLang serve) lacks
+        `model`. A server without that list is taken at its word."""
+        check_accepts_connections(self.endpoint, timeout=min(self.timeout, 10.0), retries=self.retries,
+                                  backoff=self.backoff)  # fmt: skip
+        models_url = self.endpoint.removesuffix("/chat/completions") + "/models"
+        try:
+            listed = get_json(models_url, timeout=min(self.timeout, 10.0))
+            served = [m["id"] for m in listed["data"]]
+        except (RewardServerError, ValueError, KeyError, TypeError):
+            return
+        if self.model not in served:
+            raise ValueError(f"{models_url} serves {served}, not model={self.model!r}")
 
     def judge(self, image, prompt: str) -> str:
         """The judge's answer text for one PIL image and its prompt."""
