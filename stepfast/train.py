@@ -397,7 +397,7 @@ class Trainer:
         # each record's line, for errors: spread_over_categories picks among these same dicts
         line_of = {id(meta): record.line for meta, record in zip(metas, records)}
         metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
-        reward = build_eval_reward(cfg, self.device)
+        reward = build_eval_reward(cfg, self.device, self.reward)
         check_prompts(reward, [PromptRecord(m["prompt"], m, line_of[id(m)]) for m in metas], "eval.prompts",
                       cfg.eval.prompts)  # fmt: skip
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
@@ -505,10 +505,13 @@ def build_reward(cfg, device: torch.device):
         raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
 
 
-def build_eval_reward(cfg, device: torch.device):
+def build_eval_reward(cfg, device: torch.device, train_reward=None):
     """The reward that scores held-out samples (eval.reward), with the options reward.options gives
     it, as a train reward has; a ConfigError naming the setting for a bad name or options, or for a
-    model whose files do not load."""
+    model whose files do not load. When it is a part of `train_reward` (a WeightedReward), that
+    part, built with the same options: a second PickScore would take another 4 GB of the GPU."""
+    if train_reward is not None and cfg.eval.reward in train_reward.rewards:
+        return train_reward.rewards[cfg.eval.reward]
     try:
         options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), device)
         return rewards.load(cfg.eval.reward, **options)

@@ -698,6 +698,17 @@ def test_a_model_reward_without_its_weights_is_named(tmp_path, section):
     assert str(err.value).startswith(where) and str(empty) in str(err.value)
 
 
+def test_an_eval_reward_that_is_also_trained_on_is_loaded_once():
+    from stepfast.train import build_eval_reward, build_reward
+
+    cfg = load_config("default", ["reward.weights={shapes: 1.0, jpeg_compressibility: 0.1}", "eval.reward=shapes",
+                                  "reward.options={shapes: {min_area: 5}}"])  # fmt: skip
+    train_reward = build_reward(cfg, torch.device("cpu"))
+    assert build_eval_reward(cfg, torch.device("cpu"), train_reward) is train_reward.rewards["shapes"]
+    cfg.eval.reward = "jpeg_incompressibility"  # not trained on: its own
+    assert type(build_eval_reward(cfg, torch.device("cpu"), train_reward)).__name__ == "JpegIncompressibility"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_wandb_without_the_package_is_a_clear_error(model_dir, tmp_path):
     cfg = base_config(model_dir, tmp_path / "run", log={"wandb": True})
