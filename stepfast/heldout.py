@@ -59,6 +59,9 @@ def sample_images(
     size = size or pipe.default_sample_size * pipe.vae_scale_factor
     previous = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
+    # the pipeline makes its latents in the text encoders' dtype (model.dtype); a transformer trained
+    # in another (optim.precision) gets its inputs in its dtype, as the trainer's own calls cast them
+    hooks = _CastToTransformer().attach(pipe.transformer)
     images = []
     try:
         bar = tqdm(total=len(prompts), desc="sampling", unit="img", disable=not progress, dynamic_ncols=True)
@@ -81,7 +84,34 @@ def sample_images(
         bar.close()
     finally:
         pipe._progress_bar_config = previous
+        for hook in hooks:
+            hook.remove()
     return torch.cat(images)
+
+
+class _CastToTransformer:
+    """Hooks that give the SD3 transformer its floating inputs in its own dtype (but the timestep,
+    which it embeds in float32, as diffusers passes it: see `stepfast.policy.velocity`) and its
+    output back in the dtype of the latents it was given: the scheduler steps them in the output's."""
+
+    def attach(self, transformer) -> list:
+        return [transformer.register_forward_pre_hook(self.inputs, with_kwargs=True),
+                transformer.register_forward_hook(self.output)]  # fmt: skip
+
+    def inputs(self, module, args, kwargs):
+        dtype = next(module.parameters()).dtype
+        self.latents_dtype = kwargs["hidden_states"].dtype if "hidden_states" in kwargs else args[0].dtype
+        args = tuple(a.to(dtype) if i < 3 and torch.is_tensor(a) and a.is_floating_point() else a  # not timestep
+                     for i, a in enumerate(args))  # fmt: skip
+        kwargs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+                  for k, v in kwargs.items()}  # fmt: skip
+        return args, kwargs
+
+    def output(self, module, args, output):
+        if isinstance(output, tuple):
+            return (output[0].to(self.latents_dtype), *output[1:])
+        output.sample = output.sample.to(self.latents_dtype)
+        return output
 
 
 def geneval_table(categories: list[str], strict: np.ndarray, score: np.ndarray) -> dict:
