@@ -196,6 +196,10 @@ def deepspeed_config(optim: OptimConfig, micro_batch: int, accumulation: int) ->
         "zero_force_ds_cpu_optimizer": False,  # torch's AdamW is the optimizer, with offload too
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer hooks the module's forward and, from the third step on,
+        # synchronises the GPU there: in every rollout, estimate and evaluation forward, and inside
+        # the estimate engine's CUDA-graph capture, where a synchronisation is illegal
+        "timers": {"throughput": {"enabled": False}},
     })  # fmt: skip
     config["bf16"] = {"enabled": optim.precision == "bf16"}
     config["fp16"] = {"enabled": optim.precision == "fp16", "initial_scale_power": 16}

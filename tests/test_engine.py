@@ -223,6 +223,16 @@ def test_the_engine_schedule_warms_up_over_iterations_of_the_runs_optimizer_step
     assert lrs == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
 
 
+def test_deepspeeds_throughput_timer_is_off():
+    """It would synchronise the GPU in every forward of engine.module (and break a CUDA-graph capture)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from stepfast.config import load_config
+    from stepfast.engine import deepspeed_config
+
+    assert DeepSpeedConfig(deepspeed_config(load_config("default").optim, 4, 2)).timers_config.enabled is False
+
+
 def test_deepspeed_settings_it_does_not_read_are_named_with_the_closest_it_does():
     """optim.deepspeed is merged into DeepSpeed's config, whose parser ignores keys it does not know:
     a misspelt section would silently do nothing. The keys the installed parser never reads are named."""
