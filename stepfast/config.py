@@ -72,6 +72,9 @@ class RolloutConfig:
     cfg: float = 4.5  # classifier-free guidance scale while sampling (1 = off)
     resolution: int = 64
     substeps: int = 3  # T': Euler substeps of each clean-image estimate
+    # states per transformer call in the clean estimates (0: all of an iteration's at once, one call
+    # per substep); bounds their memory, which grows with groups x group_size x sde.steps otherwise
+    estimate_batch: int = 0
     micro_batch: int = 8  # samples per forward/backward (per rank)
     # latents per VAE call (images and clean estimates), every call padded to it so that an image's
     # pixels do not depend on its rank's share of the batch; lower it for large images
@@ -576,6 +579,7 @@ def _check_numbers(cfg: Config) -> None:
         "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
         "optim.beta": cfg.optim.beta, "sde.min_std": cfg.sde.min_std, "sde.eta": cfg.sde.eta,
+        "rollout.estimate_batch": cfg.rollout.estimate_batch,
         "sde.noise_level": cfg.sde.noise_level, "rollout.cfg": cfg.rollout.cfg, "eval.cfg": cfg.eval.cfg,
         "credit_opts.adv_clip": cfg.credit_opts.adv_clip, "credit_opts.eps": cfg.credit_opts.eps,
     }  # fmt: skip

@@ -57,8 +57,11 @@ class Estimator:
     persistent buffers (updated in place every iteration), so that on CUDA the substep forward is
     captured in a graph once and replayed in every later iteration."""
 
-    def __init__(self, model, cfg_scale: float, use_cuda_graph: bool | str = "auto"):
-        self.model, self.cfg_scale = model, cfg_scale
+    def __init__(self, model, cfg_scale: float, use_cuda_graph: bool | str = "auto", batch: int = 0):
+        """batch: states per transformer call (`rollout.estimate_batch`); 0, all of them at once."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0 (0: all states at once), got {batch}")
+        self.model, self.cfg_scale, self.batch = model, cfg_scale, batch
         self.cond: PromptEmbeddings | None = None
         self.engine = EstimateEngine(self._velocity, use_cuda_graph)
 
@@ -79,16 +82,32 @@ class Estimator:
             if x is not None:
                 held[k].copy_(x)
 
-    def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None):
-        self._load(cond)
-        return self.engine(states, t, substeps, first_velocity)
+    def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None, index=None):
+        """x0_hat of states [M, ...] at times t [M] (see `EstimateEngine`); state i is conditioned on
+        prompt index[i] of `cond` (on its row i without `index`). With `batch` below M the states
+        go through in chunks of `batch`, the last padded with repeats of its last state, so that
+        every call has one shape (one CUDA graph) and memory is bounded by `batch`, not by M."""
+        m = states.shape[0]
+        index = torch.arange(m) if index is None else torch.as_tensor(index).cpu()
+        size = self.batch if 0 < self.batch < m else m
+        chunks = []
+        for start in range(0, m, size):
+            rows = torch.arange(start, min(start + size, m))
+            real = len(rows)
+            rows = torch.cat([rows, rows[-1:].expand(size - real)])
+            self._load(cond.select(index[rows]))
+            on = rows.to(states.device)
+            v = None if first_velocity is None else first_velocity[on]
+            chunks.append(self.engine(states[on], torch.as_tensor(t).to(states.device)[on], substeps, v)[:real])
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 @torch.no_grad()
 def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config,
                     distinct: bool = True) -> torch.Tensor:
     """Decoded clean estimates [T, B, 3, H, W] of states 0..T-1 in sampling order: all T x B of them
-    as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity).
+    as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity), or in
+    chunks of `rollout.estimate_batch` states where that is set.
 
     distinct: estimate each distinct (state, time, prompt) once. With shared initial noise
     (`rollout.same_latent`) a group's members start from one state and stay on one through the
@@ -105,7 +124,7 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
         prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
-    x0 = estimator(cond.select(index), states, t, cfg.rollout.substeps, first_velocity=first_velocity)
+    x0 = estimator(cond, states, t, cfg.rollout.substeps, first_velocity=first_velocity, index=index)
     images = decode(pipe, x0, cfg.rollout.decode_batch)
     if inverse is not None:
         images = images[inverse.to(images.device)]

@@ -126,7 +126,8 @@ class Trainer:
         # ZeRO-3 gathers and frees every weight around each forward, so no CUDA graph can hold them
         # (DeepSpeed does not support graphs with ZeRO-3): its estimates run eagerly
         self.estimator = grpo.Estimator(self.engine.module, cfg.rollout.cfg,
-                                        use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False)  # fmt: skip
+                                        use_cuda_graph="auto" if cfg.optim.zero_stage < 3 else False,
+                                        batch=cfg.rollout.estimate_batch)  # fmt: skip
         self.ema = EMA(self.engine.module, cfg.optim.ema, cfg.optim.zero_stage) if cfg.optim.ema > 0 else None
         self.stepwise = cfg.credit != "flow_grpo"  # flow_grpo credits the final reward only: no estimates
         if self.main:

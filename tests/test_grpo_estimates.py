@@ -7,7 +7,7 @@ from stepfast import grpo
 from stepfast.config import load_config
 from stepfast.models import load_pipeline
 from stepfast.models.tiny import tiny_pipeline_dir
-from stepfast.policy import decode, encode_prompts, latent_shape, velocity
+from stepfast.policy import PromptEmbeddings, decode, encode_prompts, latent_shape, velocity
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 
@@ -35,9 +35,9 @@ class CountingEstimator:
     def __init__(self, estimator):
         self.estimator, self.rows = estimator, []
 
-    def __call__(self, cond, states, t, substeps, first_velocity=None):
+    def __call__(self, cond, states, t, substeps, first_velocity=None, index=None):
         self.rows.append(states.shape[0])
-        return self.estimator(cond, states, t, substeps, first_velocity)
+        return self.estimator(cond, states, t, substeps, first_velocity, index)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,51 @@ def test_each_estimate_is_euler_substeps_from_its_own_state_and_time_to_zero(rol
             v = velocity(pipe.transformer, x, t_i, cond, cfg.rollout.cfg)
             x = x + (t_next - t_i).reshape(-1, 1, 1, 1) * v
         torch.testing.assert_close(images[j], decode(pipe, x), rtol=0, atol=1e-4, msg=f"state {j}")
+
+
+@pytest.mark.parametrize("batch", [7, 28, 64])  # 28 distinct states: chunks of 7, 7, 7, 7 / one of 28 / one
+def test_estimates_in_chunks_are_the_estimates_and_never_exceed_the_chunk(rollout, batch):
+    """rollout.estimate_batch bounds the rows of every transformer call (x2 with CFG), every call of
+    one shape (the last chunk padded) so that one CUDA graph serves them, and changes no image
+    beyond the rounding of a smaller matrix product."""
+    cfg, pipe, cond, run = rollout
+    traj = run(same_latent=True)
+    whole = grpo.estimate_images(pipe, grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False),
+                                 cond, traj, cfg)  # fmt: skip
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[0]),
+                                                      with_kwargs=True)  # fmt: skip
+    try:
+        chunked = grpo.estimate_images(pipe, grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False,
+                                                            batch=batch), cond, traj, cfg)  # fmt: skip
+    finally:
+        hook.remove()
+    m = 5 * 8 - 2 * 2 * 3  # the distinct states (see above)
+    size = min(batch, m)
+    assert seen == [2 * size] * (-(-m // size) * (cfg.rollout.substeps - 1))  # CFG doubles; the first substep is reused
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+def test_a_chunk_pads_with_its_last_state_and_keeps_each_states_prompt():
+    """Padding rows are estimated and dropped; each state keeps the prompt `index` gives it."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+            seen.append(encoder_hidden_states[:, 0, 0].tolist())
+            return (hidden_states * 0 + encoder_hidden_states[:, :1, :1, None] * self.w,)
+
+    cond = PromptEmbeddings(torch.arange(3.0).reshape(3, 1, 1), torch.zeros(3, 1))
+    states, t = torch.zeros(5, 1, 2, 2), torch.full((5,), 0.5)
+    index = torch.tensor([2, 0, 1, 1, 2])
+    x0 = grpo.Estimator(Model(), 1.0, use_cuda_graph=False, batch=2)(cond, states, t, 1, index=index)
+    # one Euler step from t = 0.5 to 0 with v = the prompt's value: x0 = -0.5 v
+    torch.testing.assert_close(x0[:, 0, 0, 0], -0.5 * index.float())
+    assert seen == [[2.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # the last chunk padded with its state
 
 
 def test_the_sde_window_is_the_only_stochastic_and_trained_part_of_the_rollout(rollout):
