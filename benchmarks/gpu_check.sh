@@ -42,6 +42,13 @@ if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU,
     exit 2
   fi
 fi
+# the trainer's tests and the iteration benchmark start `python stepfast/train.py` as subprocesses,
+# which find stepfast.kernels (kernels/, mapped by pyproject) only in an installed stepfast
+if ! "$PYTHON" -c "import stepfast.kernels" >/dev/null 2>&1; then
+  echo "gpu_check: $PYTHON cannot import stepfast.kernels: install stepfast into it first" \
+       "($PYTHON -m pip install --no-build-isolation -e .; make test does it for .venv)" >&2
+  exit 2
+fi
 export STEPFAST_HBM_PEAK_BYTES_PER_S="${STEPFAST_HBM_PEAK_BYTES_PER_S:-4.8e12}"
 export STEPFAST_BENCH_ITERATIONS="${STEPFAST_BENCH_ITERATIONS:-4}" STEPFAST_BENCH_REPEATS="${STEPFAST_BENCH_REPEATS:-1}"
 # the defaults under test: Triton on CUDA, compiled (not interpreted)
@@ -50,27 +57,11 @@ unset STEPFAST_KERNELS TRITON_INTERPRET
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
 
 exec "$PYTHON" - "$@" <<'PY'
-import importlib.util
 import pathlib
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path.cwd()))
-
-# stepfast.kernels installs from kernels/ (pyproject package-dir); from a plain checkout, map it here.
-try:
-    import stepfast.kernels  # noqa: F401
-except ModuleNotFoundError:
-    import stepfast
-
-    root = pathlib.Path("kernels").resolve()
-    spec = importlib.util.spec_from_file_location(
-        "stepfast.kernels", root / "__init__.py", submodule_search_locations=[str(root)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["stepfast.kernels"] = module
-    spec.loader.exec_module(module)
-    stepfast.kernels = module
 
 import pytest
 import torch

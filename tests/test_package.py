@@ -1,6 +1,7 @@
 """What importing stepfast does to the process beyond defining its modules."""
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,16 @@ def test_loading_a_pipeline_module_prints_no_torchvision_notice():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "requires torchvision" not in proc.stderr
+
+
+def test_the_gpu_check_names_an_interpreter_without_stepfast_before_it_starts(tmp_path):
+    """benchmarks/gpu_check.sh's trainer phases start `python stepfast/train.py` in subprocesses,
+    which need an installed stepfast (stepfast.kernels is mapped from kernels/ by the install)."""
+    python = tmp_path / "python"  # this interpreter without its site-packages: no stepfast installed
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], env={**os.environ, "PYTHON": str(python)},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"gpu_check: {python} cannot import stepfast.kernels: install stepfast into it first" in proc.stderr
