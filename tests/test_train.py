@@ -133,7 +133,7 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
         for phase in ("rollout", "estimates", "rewards", "update"):
             assert r[f"time/{phase}"] > 0
         assert r["gain/0"] is not None
-    assert rows[-1]["reward"] != rows[0]["reward"]
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0  # a gradient reached the adapter
     # the default prompts carry GenEval tags: each iteration logs the reward of the categories it drew,
     # and the groups' category rewards average back to the batch reward
     cfg = yaml.safe_load(config.read_text())
@@ -382,7 +382,6 @@ def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_p
           ", ".join(f"[{r['first_ratio_min']!r}, {r['first_ratio_max']!r}]" for r in rows))  # fmt: skip
     assert all(r["first_ratio_min"] == 1.0 == r["first_ratio_max"] for r in rows)
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
-    assert rows[-1]["reward"] != rows[0]["reward"]
     assert (out / "eval_after.json").exists()
     assert (out / "checkpoints" / "checkpoint-000003" / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
     if (precision, stage) == ("fp32", 2):
@@ -469,7 +468,7 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     got, want = metrics(tmp_path / "run"), metrics(base_out)
     assert [r["iteration"] for r in got] == [1, 2]
-    keys = [k for k in want[0] if not k.startswith(("time/", "grad_norm"))]
+    keys = [k for k in want[0] if not k.startswith("time/")]
     for i in range(2):
         for key in keys:
             if want[i][key] is None:  # a prompt category that iteration did not draw
@@ -503,8 +502,8 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         # 7 prompts: counting gets two (2 seeds each), the other categories one (3 seeds): 19 images
         assert len(one) == len(two) == 19
         assert [(s["prompt"], s["seed"]) for s in two] == [(s["prompt"], s["seed"]) for s in one]
-        for a, b in zip(one, two):
-            assert b["score"] == pytest.approx(a["score"], abs=1e-3)
+        for a, b in zip(one, two):  # the pixels agree up to rounding: 6.6e-7 at most, measured
+            assert b["score"] == pytest.approx(a["score"], abs=1e-5)
     # rank 0 alone receives the images, in plan order: the report's sample grids match one rank's
     for tag in ("before", "after"):
         grids = [np.asarray(Image.open(tmp_path / f"ranks{r}" / "report" / f"samples_{tag}.png"), dtype=float)
