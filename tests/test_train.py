@@ -350,9 +350,12 @@ def test_the_sd35_presets_precision_runs_bf16_weights_bf16_engine_and_checkpoint
     lora = load_file(out / "checkpoints" / "checkpoint-000002" / "lora" / "pytorch_lora_weights.safetensors")
     assert any(not torch.equal(v, v.bfloat16().float()) for v in lora.values())  # not bf16-rounded
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero: trained
+    assert list((out / "checkpoints" / "checkpoint-000002").rglob("bf16_zero_pp_rank_0_*optim_states.pt"))
     resumed = train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=3", "resume=auto")
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-000002'} at iteration 3" in resumed.stdout
-    assert [r["iteration"] for r in metrics(out)] == [1, 2, 3]
+    rows = metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[2]["first_ratio_min"] == 1.0 == rows[2]["first_ratio_max"]  # on-policy after the resume too
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh runs it)")
