@@ -92,7 +92,8 @@ class Recording:
 def test_concurrent_requests_share_reward_calls(local, scenes):
     images, prompts, _ = scenes
     counting = Recording(local["shapes"])
-    batcher = Batcher({"shapes": counting}, batch_size=64, window_s=0.5)
+    # the batch closes when its 6 images are in, not at the end of a window a busy machine could miss
+    batcher = Batcher({"shapes": counting}, batch_size=6, window_s=60)
     futures = [batcher.submit(["shapes"], images[i : i + 2], prompts[i : i + 2], None) for i in (0, 2, 4)]
     results = [f.result(10) for f in futures]
     batcher.close()
@@ -309,7 +310,7 @@ def test_a_request_the_reward_cannot_score_fails_alone(local, scenes, wrapper, e
     dog") gets the error, not the others that shared its batch, which get their scores."""
     images, prompts, _ = scenes
     reward = {"Recording": Recording, "Checking": Checking}[wrapper](local["shapes"])
-    batcher = Batcher({"shapes": reward}, batch_size=64, window_s=0.5)
+    batcher = Batcher({"shapes": reward}, batch_size=6, window_s=60)  # closed by its 6 images, as above
     asked = [prompts[0:2], ["a photo of a dog", prompts[3]], prompts[4:6]]
     futures = [batcher.submit(["shapes"], images[i : i + 2], p, None) for i, p in zip((0, 2, 4), asked)]
     with pytest.raises(error, match=message):
