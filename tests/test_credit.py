@@ -18,14 +18,15 @@ def test_stepwise_hand_example():
 
 
 def test_gains_telescope():
-    rewards = torch.randn(4, 6, 11, dtype=torch.float64)
+    rewards = torch.randn(4, 6, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     g = gains(rewards)
     assert torch.allclose(g.sum(-1), rewards[..., -1] - rewards[..., 0])
 
 
 def test_shared_noise_group_relative_gains_equal_group_relative_final_reward():
-    rewards = torch.randn(3, 8, 11, dtype=torch.float64)
-    rewards[..., 0] = torch.randn(3, 1, dtype=torch.float64)  # same initial noise -> same r_0 in a group
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.randn(3, 8, 11, dtype=torch.float64, generator=gen)
+    rewards[..., 0] = torch.randn(3, 1, dtype=torch.float64, generator=gen)  # same initial noise -> same r_0 in a group
     total = gains(rewards).sum(-1)
     final = rewards[..., -1]
     assert torch.allclose(total - total.mean(1, keepdim=True), final - final.mean(1, keepdim=True))
@@ -38,9 +39,8 @@ def test_shared_noise_group_relative_gains_equal_group_relative_final_reward():
 
 
 def test_joint_normalisation_keeps_late_noise_small_per_step_inflates_it():
-    torch.manual_seed(0)
     g, n, t = 4, 16, 10
-    step_gains = torch.randn(g, n, t)
+    step_gains = torch.randn(g, n, t, generator=torch.Generator().manual_seed(0))
     step_gains[..., :5] *= 1.0    # early steps decide the image
     step_gains[..., 5:] *= 1e-3   # late steps only add noise
     rewards = torch.cat([torch.zeros(g, n, 1), step_gains.cumsum(-1)], dim=-1)
@@ -92,8 +92,9 @@ def test_flow_grpo_hand_example(global_std):
 @pytest.mark.parametrize("global_std", [False, True])
 def test_flow_grpo_matches_flow_grpo_stat_tracker(global_std):
     g, n = 5, 7
-    final = torch.rand(g, n, dtype=torch.float64) * 3
-    rewards = torch.cat([torch.randn(g, n, 10, dtype=torch.float64), final[..., None]], dim=-1)
+    gen = torch.Generator().manual_seed(2)
+    final = torch.rand(g, n, dtype=torch.float64, generator=gen) * 3
+    rewards = torch.cat([torch.randn(g, n, 10, dtype=torch.float64, generator=gen), final[..., None]], dim=-1)
     prompts = [f"prompt {i}" for i in range(g) for _ in range(n)]
     ref = flow_grpo_stat_tracker(prompts, final.flatten().numpy(), global_std).reshape(g, n)
     ref = np.clip(ref, -5, 5)
@@ -107,8 +108,9 @@ def test_flow_grpo_pools_the_groups_of_one_prompt_as_the_stat_tracker_does(globa
     """Two groups of the same prompt text (a prompt file listing it twice) share its statistics; with
     every key different the advantages are those of the groups alone, to the bit."""
     g, n = 5, 7
-    final = torch.rand(g, n, dtype=torch.float64) * 3
-    rewards = torch.cat([torch.randn(g, n, 10, dtype=torch.float64), final[..., None]], dim=-1)
+    gen = torch.Generator().manual_seed(2)
+    final = torch.rand(g, n, dtype=torch.float64, generator=gen) * 3
+    rewards = torch.cat([torch.randn(g, n, 10, dtype=torch.float64, generator=gen), final[..., None]], dim=-1)
     keys = ["a", "b", "a", "c", "b"]
     ref = flow_grpo_stat_tracker([k for k in keys for _ in range(n)], final.flatten().numpy(), global_std)
     adv = compute_advantages("flow_grpo", rewards, global_std=global_std, prompts=keys)
