@@ -153,8 +153,8 @@ def test_half_precision_storage_loads_in_fp32(tmp_path):
     for name in MODULES:
         module = getattr(half, name)
         assert all(p.dtype == torch.float32 for p in module.parameters()), name
-    for key, value in state(half.transformer).items():
-        torch.testing.assert_close(value, before[key], rtol=1e-3, atol=1e-3)
+    for key, value in state(half.transformer).items():  # stored in fp16, loaded back as float32
+        assert torch.equal(value, before[key].half().float()), key
 
 
 def test_clip_tokenizer_falls_back_to_bytes_for_unknown_words():

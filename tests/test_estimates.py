@@ -174,6 +174,13 @@ def test_cuda_graph_engine_sees_weights_an_optimizer_step_changed(device):
     velocity = TinyVelocity().to(device)
     states, t = states_and_times(device=device)
     engine = EstimateEngine(velocity, use_cuda_graph=device == "cuda")
+
+    def same(got, expected):  # eagerly, the same calls: to the bit; a graph's kernels may round otherwise
+        if device == "cpu":
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
     before = engine(states, t, 3).clone()
     optimizer = torch.optim.AdamW(velocity.parameters(), lr=1e-2)
     velocity(states, t).square().mean().backward()
@@ -181,9 +188,9 @@ def test_cuda_graph_engine_sees_weights_an_optimizer_step_changed(device):
     with torch.no_grad():
         expected = estimate_clean_images(velocity, states, t, 3)
     assert (expected - before).abs().max() > 1e-3
-    torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
+    same(engine(states, t, 3), expected)
     with torch.no_grad():  # as EMA.applied: other weights copied into the same tensors
         for p in velocity.parameters():
             p.copy_(p * 0.5)
         expected = estimate_clean_images(velocity, states, t, 3)
-    torch.testing.assert_close(engine(states, t, 3), expected, rtol=1e-5, atol=1e-5)
+    same(engine(states, t, 3), expected)
