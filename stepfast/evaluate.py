@@ -186,10 +186,16 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m stepfast.evaluate`: main(), with bad input (model or LoRA directory, prompt file)
+    named in one line, no traceback, and exit status 2, as argparse's own errors."""
     try:
-        main()
+        main(argv)
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        # bad input (model or LoRA directory, prompt file): the message names it, no traceback
         print(f"python -m stepfast.evaluate: error: {exc}", file=sys.stderr)  # as argparse's errors begin
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -369,11 +372,18 @@ def test_evaluate_rejects_empty_input(tiny):
 ])  # fmt: skip
 def test_evaluation_command_names_bad_input_without_a_traceback(tmp_path, args, message):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "stepfast.evaluate", *(a.format(tmp=tmp_path) for a in args), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_evaluate(*(a.format(tmp=tmp_path) for a in args), "--out", str(out))
     assert proc.returncode == 2
     assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_the_evaluation_command_is_its_cli():
+    """`python -m stepfast.evaluate` runs cli(), which the other tests call in-process."""
+    cmd = [sys.executable, "-m", "stepfast.evaluate", "--model", "/nonexistent/model", "--out", "/nonexistent/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "python -m stepfast.evaluate: error: pipeline directory /nonexistent/model does not exist" in proc.stderr
 
 
 def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_model_loads(tmp_path):
@@ -387,9 +397,16 @@ def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_mod
     assert_refused_before_the_model_loads("--prompts", prompts, message, tmp_path)
 
 
-def run_evaluate(*args):
-    cmd = [sys.executable, "-m", "stepfast.evaluate", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def run_evaluate(*args) -> SimpleNamespace:
+    """`python -m stepfast.evaluate ARGS`, run in this process through the cli() it calls:
+    .returncode and .stderr as a subprocess gives them."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = ev.cli([str(a) for a in args])
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code
+    return SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
 @pytest.mark.parametrize("out, message", [
