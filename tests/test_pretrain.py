@@ -1,9 +1,12 @@
 """`python -m stepfast.pretrain`, the command that rebuilds the embedded model, at a few steps: it
 writes a pipeline that loads, the same seed writes the same weights, and a bad --vae is named."""
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,9 +69,19 @@ def test_pretrain_names_a_bad_vae_directory_before_any_work(tmp_path, vae, messa
     assert not out.exists()
 
 
-def run_pretrain(*args):
-    cmd = [sys.executable, "-m", "stepfast.pretrain", *TINY, *args]  # args last: they win over TINY's
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def run_pretrain(*args) -> SimpleNamespace:
+    """`python -m stepfast.pretrain TINY ARGS` (ARGS last: they win over TINY's), run in this process
+    through the main() it calls: .returncode, .stdout and .stderr as a subprocess gives them (the
+    refusals are argparse errors, exit status 2). test_pretrain_names_a_bad_vae_directory_before_any_work
+    starts the module itself."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            pretrain.main([*TINY, *(str(a) for a in args)])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.mark.parametrize("args, message", [
