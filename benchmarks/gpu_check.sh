@@ -44,9 +44,9 @@ if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU,
 fi
 # the trainer's tests and the iteration benchmark start `python stepfast/train.py` as subprocesses,
 # which find stepfast.kernels (kernels/, mapped by pyproject) only in an installed stepfast
-if ! "$PYTHON" -c "import stepfast.kernels" >/dev/null 2>&1; then
-  echo "gpu_check: $PYTHON cannot import stepfast.kernels: install stepfast into it first" \
-       "($PYTHON -m pip install --no-build-isolation -e .; make test does it for .venv)" >&2
+if ! why=$("$PYTHON" -c "import stepfast.kernels" 2>&1); then
+  echo "gpu_check: $PYTHON cannot import stepfast.kernels ($(tail -n 1 <<<"$why")): install stepfast into it" \
+       "first ($PYTHON -m pip install --no-build-isolation -e .; make test does it for .venv)" >&2
   exit 2
 fi
 export STEPFAST_HBM_PEAK_BYTES_PER_S="${STEPFAST_HBM_PEAK_BYTES_PER_S:-4.8e12}"

@@ -72,8 +72,8 @@ class RolloutConfig:
     cfg: float = 4.5  # classifier-free guidance scale while sampling (1 = off)
     resolution: int = 64
     substeps: int = 3  # T': Euler substeps of each clean-image estimate
-    # states per transformer call in the clean estimates (0: all of an iteration's at once, one call
-    # per substep); bounds their memory, which grows with groups x group_size x sde.steps otherwise
+    # states per transformer call in the clean estimates (0: all of a rank's at once, one call per
+    # substep); bounds their memory, which grows with groups x group_size x sde.steps otherwise
     estimate_batch: int = 0
     micro_batch: int = 8  # samples per forward/backward (per rank)
     # latents per VAE call (images and clean estimates), every call padded to it so that an image's

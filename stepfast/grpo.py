@@ -82,24 +82,27 @@ class Estimator:
             if x is not None:
                 held[k].copy_(x)
 
-    def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None, index=None):
+    def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None, index=None,
+                 chunks: int = 1):  # fmt: skip
         """x0_hat of states [M, ...] at times t [M] (see `EstimateEngine`); state i is conditioned on
         prompt index[i] of `cond` (on its row i without `index`). With `batch` below M the states
-        go through in chunks of `batch`, the last padded with repeats of its last state, so that
-        every call has one shape (one CUDA graph) and memory is bounded by `batch`, not by M."""
+        go through in chunks of `batch`, the last padded with repeats of the last state, so that
+        every call has one shape (one CUDA graph) and memory is bounded by `batch`, not by M.
+        `chunks`: at least that many (chunks of padding after the states): under ZeRO-3 every
+        forward gathers the weights with the other ranks, which must make as many."""
         m = states.shape[0]
         index = torch.arange(m) if index is None else torch.as_tensor(index).cpu()
         size = self.batch if 0 < self.batch < m else m
-        chunks = []
-        for start in range(0, m, size):
-            rows = torch.arange(start, min(start + size, m))
+        out = []
+        for c in range(max(-(-m // size), chunks)):
+            rows = torch.arange(min(c * size, m), min((c + 1) * size, m))
             real = len(rows)
-            rows = torch.cat([rows, rows[-1:].expand(size - real)])
+            rows = torch.cat([rows, torch.full((size - real,), m - 1)])
             self._load(cond.select(index[rows]))
             on = rows.to(states.device)
             v = None if first_velocity is None else first_velocity[on]
-            chunks.append(self.engine(states[on], torch.as_tensor(t).to(states.device)[on], substeps, v)[:real])
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            out.append(self.engine(states[on], torch.as_tensor(t).to(states.device)[on], substeps, v)[:real])
+        return out[0] if len(out) == 1 else torch.cat(out)
 
 
 @torch.no_grad()
@@ -124,7 +127,11 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
         prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
-    x0 = estimator(cond, states, t, cfg.rollout.substeps, first_velocity=first_velocity, index=index)
+    # under ZeRO-3 every rank makes as many forwards: as many chunks as its states before the sharing
+    # above (the same count on every rank: each has B samples), however many that left
+    batch = cfg.rollout.estimate_batch
+    chunks = -(-(steps * b) // batch) if cfg.optim.zero_stage == 3 and batch > 0 else 1
+    x0 = estimator(cond, states, t, cfg.rollout.substeps, first_velocity=first_velocity, index=index, chunks=chunks)
     images = decode(pipe, x0, cfg.rollout.decode_batch)
     if inverse is not None:
         images = images[inverse.to(images.device)]

@@ -278,7 +278,7 @@ class Batcher:
     def _score_reward(self, name: str, members: list[ScoreJob]) -> dict[str, torch.Tensor]:
         import torch  # imported here, so that a command line with bad arguments fails fast
 
-        from stepfast.rewards.combine import check_scores
+        from stepfast.rewards.combine import ScoreError, check_scores
 
         images = np.concatenate([job.images for job in members])
         prompts = [p for job in members for p in job.prompts]
@@ -293,6 +293,8 @@ class Batcher:
             self.calls += 1
             try:
                 chunks.append(check_scores(name, out, len(prompts[i : i + self.batch_size])))
+            except ScoreError as exc:  # its positions in the request, not in this chunk of it
+                raise BadScores(str(ScoreError(name, exc.kind, [i + k for k in exc.images], len(prompts)))) from None
             except ValueError as exc:
                 raise BadScores(str(exc)) from None
         return {key: torch.cat([c[key] for c in chunks]) for key in chunks[0]}

@@ -679,8 +679,9 @@ def _main(argv=None) -> int:
     try:
         Trainer(cfg, rank, world, device, prompts).fit()
     except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError, RewardServerError) as exc:
-        # bad input (config, model directory, prompt file, reward name, a NaN reward) or a reward
-        # server that stopped answering: the message names it
+        # bad input (config, model directory, prompt file, reward name, a NaN reward), exit 2; or a
+        # reward server that failed (stopped answering, refused a request, sent bad scores), exit 1:
+        # the message names it
         if not getattr(exc, "stepfast_reported", False):
             print(f"stepfast: {f'rank {rank}: ' if world > 1 else ''}error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, RewardServerError) else 2

@@ -11,7 +11,7 @@ class LoopbackServer:
     request as (path, headers, body)."""
 
     def __init__(self, answer, get=None):
-        """`get(path) -> (status, payload bytes)` answers GETs, when given (else 501)."""
+        """`get(path, headers) -> (status, payload bytes)` answers GETs, when given (else 501)."""
         self.requests = []
         outer = self
 
@@ -19,7 +19,7 @@ class LoopbackServer:
             if get is not None:
 
                 def do_GET(self):
-                    status, payload = get(self.path)
+                    status, payload = get(self.path, dict(self.headers))
                     self.send_response(status)
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()

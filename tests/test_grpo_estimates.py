@@ -35,9 +35,9 @@ class CountingEstimator:
     def __init__(self, estimator):
         self.estimator, self.rows = estimator, []
 
-    def __call__(self, cond, states, t, substeps, first_velocity=None, index=None):
+    def __call__(self, cond, states, t, substeps, first_velocity=None, index=None, chunks=1):
         self.rows.append(states.shape[0])
-        return self.estimator(cond, states, t, substeps, first_velocity, index)
+        return self.estimator(cond, states, t, substeps, first_velocity, index, chunks)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,33 @@ def test_a_chunk_pads_with_its_last_state_and_keeps_each_states_prompt():
     # one Euler step from t = 0.5 to 0 with v = the prompt's value: x0 = -0.5 v
     torch.testing.assert_close(x0[:, 0, 0, 0], -0.5 * index.float())
     assert seen == [[2.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # the last chunk padded with its state
+    # ZeRO-3: as many calls as another rank makes (5 chunks), the extra ones padding only
+    seen.clear()
+    x0 = grpo.Estimator(Model(), 1.0, use_cuda_graph=False, batch=2)(cond, states, t, 1, index=index, chunks=5)
+    torch.testing.assert_close(x0[:, 0, 0, 0], -0.5 * index.float())
+    assert seen == [[2.0, 0.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+
+
+def test_under_zero3_every_rank_makes_the_forwards_of_its_states_before_sharing(rollout):
+    """Ranks keep different numbers of distinct states (a group split across them shares fewer),
+    and under ZeRO-3 each forward is a collective: the chunk count follows B x T on every rank."""
+    cfg, pipe, cond, run = rollout
+    traj = run(same_latent=True)
+    zero3 = load_config("default", [f"model.path={cfg.model.path}", "sde.steps=5", "rollout.groups=2",
+                                    "rollout.group_size=4", "rollout.micro_batch=8", "rollout.substeps=2",
+                                    "rollout.cfg=2.0", "optim.zero_stage=3", "rollout.estimate_batch=7"])  # fmt: skip
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[0]),
+                                                      with_kwargs=True)  # fmt: skip
+    try:
+        estimator = grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False, batch=7)
+        images = grpo.estimate_images(pipe, estimator, cond, traj, zero3)
+    finally:
+        hook.remove()
+    assert seen == [2 * 7] * -(-(5 * 8) // 7)  # 6 chunks of the 40 states, though 28 are distinct (4 chunks)
+    whole = grpo.estimate_images(pipe, grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False),
+                                 cond, traj, cfg)  # fmt: skip
+    torch.testing.assert_close(images, whole, rtol=0, atol=1e-5)
 
 
 def test_the_sde_window_is_the_only_stochastic_and_trained_part_of_the_rollout(rollout):

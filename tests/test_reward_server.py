@@ -169,6 +169,13 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
             rewards.load("remote", url=failing.url, rewards=["shapes"], **FAST).score(images[:1], prompts[:1])
     finally:
         stop(failing)
+    # named by its position in the request, not in the server's chunk of it (chunks of 2 here)
+    failing = start({"shapes": rewards.load(f"{__name__}:nan_for_the_last_prompt")}, batch_size=2)
+    try:
+        with pytest.raises(RewardServerError, match=r"HTTP 422.*NaN scores for images \[2\] of 3"):
+            rewards.load("remote", url=failing.url, rewards=["shapes"], **FAST).score(images[:3], ["a", "b", "last"])
+    finally:
+        stop(failing)
 
     small = start(local, max_request_bytes=4096)
     try:
@@ -188,6 +195,10 @@ def explodes(images, prompts, metadata):
 
 def gives_nan(images, prompts, metadata):
     return {"score": torch.full((len(prompts),), float("nan"))}
+
+
+def nan_for_the_last_prompt(images, prompts, metadata):
+    return {"score": torch.tensor([float("nan") if p == "last" else 0.5 for p in prompts])}
 
 
 def blank_png(width: int, height: int) -> str:

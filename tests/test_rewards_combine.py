@@ -348,10 +348,12 @@ class ChunkReward:
         return out
 
 
-def test_collected_scores_line_up_with_the_images_across_chunks():
+@pytest.mark.parametrize("scorer_class", ["AsyncScorer", "InlineScorer"])  # reward.async_scoring true / false
+def test_collected_scores_line_up_with_the_images_across_chunks(scorer_class):
     from stepfast.grpo import collect_scores, submit_scores
+    from stepfast.rewards import async_scoring
 
-    scorer = AsyncScorer(WeightedReward({f"{__name__}:ChunkReward": 1.0}))
+    scorer = getattr(async_scoring, scorer_class)(WeightedReward({f"{__name__}:ChunkReward": 1.0}))
     images = torch.zeros(7, 3, 4, 4)
     tags = ["a", "a", "a", "b", "b", "c", "a"]  # chunks of 3: {a}, {b, c}, {a}
     metadata = [{"tag": t} for t in tags]

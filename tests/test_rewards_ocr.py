@@ -57,6 +57,10 @@ def test_score_joins_what_the_reader_finds():
     torch.testing.assert_close(out["score"], torch.tensor([1.0, 0.8, 0.0]))
     torch.testing.assert_close(out["exact"], torch.tensor([1.0, 0.0, 0.0]))
     assert reward.reader.calls == [(3, (16, 24, 3), 8)]
+    modes = []
+    reward.read = lambda images: modes.append(torch.is_inference_mode_enabled()) or ["Hello"]
+    reward.score(images[:1], ['a "Hello" sign'])
+    assert modes == [True]  # the reader runs in inference mode, as every model reward's does
 
 
 def render_text(text: str, size=(320, 72)) -> np.ndarray:

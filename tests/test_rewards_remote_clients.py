@@ -181,10 +181,19 @@ def test_vlm_judge_is_checked_at_load_and_start():
     with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
         rewards.load("vlm", url="localhost:8000")
     models = json.dumps({"object": "list", "data": [{"id": "judge-7b"}, {"id": "other"}]}).encode()
-    with LoopbackServer(judge_answer([]), get=lambda path: (200, models) if path == "/v1/models" else (404, b"")) as server:
-        rewards.load("vlm", url=server.url, model="judge-7b", retries=0).check_server()
+    keys = []
+
+    def listing(path, headers):  # a server that wants its key for the list too
+        keys.append(headers.get("Authorization"))
+        if headers.get("Authorization") != "Bearer k":
+            return 401, b'{"error": "no key"}'
+        return (200, models) if path == "/v1/models" else (404, b"")
+
+    with LoopbackServer(judge_answer([]), get=listing) as server:
+        rewards.load("vlm", url=server.url, model="judge-7b", retries=0, api_key="k").check_server()
         with pytest.raises(ValueError, match=r"/v1/models serves \['judge-7b', 'other'\], not model='judge-8b'"):
-            rewards.load("vlm", url=server.url + "/v1", model="judge-8b", retries=0).check_server()
+            rewards.load("vlm", url=server.url + "/v1", model="judge-8b", retries=0, api_key="k").check_server()
+    assert keys == ["Bearer k", "Bearer k"]
     with LoopbackServer(judge_answer([])) as server:  # no model list (GET answers 501): taken at its word
         rewards.load("vlm", url=server.url, model="anything", retries=0).check_server()
     with pytest.raises(ValueError, match="does not accept connections"):

@@ -56,8 +56,13 @@ class InlineScorer:
         self.reward = reward
 
     def submit(self, images, prompts, metadata=None) -> Future:
+        """A done Future: the scores, or the reward's error, which result() raises (as AsyncScorer's
+        does, so that the caller that collects the batches names the images of a bad score)."""
         done = Future()
-        done.set_result(self.reward.score(images, prompts, metadata))
+        try:
+            done.set_result(self.reward.score(images, prompts, metadata))
+        except Exception as exc:  # noqa: BLE001 - handed on, as a worker thread's would be
+            done.set_exception(exc)
         return done
 
     def close(self, wait: bool = True) -> None:

@@ -96,7 +96,6 @@ class OcrReward:
         results = self.reader.readtext_batched(list(np.ascontiguousarray(pixels)), batch_size=self.batch_size)
         return ["".join(text for _box, text, confidence in found if confidence > 0) for found in results]
 
-    @torch.inference_mode()
     def check(self, prompts, metadata=None) -> None:
         """Before any image is drawn: a PromptError for the first prompt without text in double
         quotes to compare the image's text with."""
@@ -106,6 +105,7 @@ class OcrReward:
             except ValueError as exc:
                 raise PromptError(i, str(exc)) from None
 
+    @torch.inference_mode()
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         targets = [quoted_text(p) for p in prompts]
         texts = self.read(images)

@@ -60,11 +60,12 @@ def post(
     return _request("POST", url, body, sent_headers, parse, timeout, retries, backoff, server)
 
 
-def get_json(url: str, timeout: float = 10.0, retries: int = 0, backoff: float = 1.0, server: str | None = None) -> Any:
+def get_json(url: str, timeout: float = 10.0, retries: int = 0, backoff: float = 1.0, server: str | None = None,
+             headers: dict[str, str] | None = None) -> Any:  # fmt: skip
     """GET `url` and decode its JSON body (a health check), retried as a POST is (none by default)."""
     import json
 
-    return _request("GET", url, None, {}, json.loads, timeout, retries, backoff, server)
+    return _request("GET", url, None, dict(headers or {}), json.loads, timeout, retries, backoff, server)
 
 
 def check_url(url: str) -> urllib.parse.SplitResult:

@@ -74,7 +74,7 @@ class VlmJudgeReward:
                                   backoff=self.backoff)  # fmt: skip
         models_url = self.endpoint.removesuffix("/chat/completions") + "/models"
         try:
-            listed = get_json(models_url, timeout=min(self.timeout, 10.0))
+            listed = get_json(models_url, timeout=min(self.timeout, 10.0), headers=self.headers)
             served = [m["id"] for m in listed["data"]]
         except (RewardServerError, ValueError, KeyError, TypeError):
             return
