@@ -172,19 +172,32 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     assert list((out / "tensorboard").iterdir())
 
 
+def _interruptible():
+    """In the trainer's process, before it starts: Ctrl-C as a terminal gives it. A test suite started
+    in the background (`make test &` in a script) passes SIGINT on ignored, and Python then keeps
+    ignoring it, as it should for `nohup`."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path) -> int:
     """Starts the trainer on `config`, sends it `sig` once checkpoint 2 of `out` is complete, and
     returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run)."""
     cmd = [sys.executable, str(TRAIN), "--config", str(config)]
     with err.open("w") as handle:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True)
-        deadline = time.time() + 600
-        while not checkpoint.is_complete(out / "checkpoints" / "checkpoint-000002"):
-            assert proc.poll() is None, err.read_text()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        proc.send_signal(sig)
-        return proc.wait(timeout=120)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True,
+                                preexec_fn=_interruptible)  # fmt: skip
+        try:
+            deadline = time.time() + 600
+            while not checkpoint.is_complete(out / "checkpoints" / "checkpoint-000002"):
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.time() < deadline
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            return proc.wait(timeout=120)
+        finally:  # a run that outlived the signal does not train on after the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
