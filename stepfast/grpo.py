@@ -107,12 +107,14 @@ class Estimator:
 
 @torch.no_grad()
 def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Trajectory, cfg: Config,
-                    distinct: bool = True) -> torch.Tensor:
+                    distinct: bool = True, prompts: list[str] | None = None) -> torch.Tensor:
     """Decoded clean estimates [T, B, 3, H, W] of states 0..T-1 in sampling order: all T x B of them
     as ONE batch per substep (per-sample times; the first substep reuses the rollout's velocity), or in
     chunks of `rollout.estimate_batch` states where that is set.
 
-    distinct: estimate each distinct (state, time, prompt) once. With shared initial noise
+    distinct: estimate each distinct (state, time, prompt) once, the prompt known by its text in
+    `prompts` (else by its embeddings: a row-wise unique that runs serially over each row on CUDA,
+    slow at SD3.5's 333 x 4096 values per prompt). With shared initial noise
     (`rollout.same_latent`) a group's members start from one state and stay on one through the
     sampler's deterministic first steps (ddim's std is 0 at t = 1), so their estimates there are one
     image: 2 of the 10 states of the default run, computed once per group instead of once per member."""
@@ -124,7 +126,11 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
     first_velocity = traj.velocities.reshape(steps * b, *shape)
     keep = inverse = None
     if distinct and cfg.rollout.same_latent:
-        prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
+        if prompts is not None:
+            known = {text: i for i, text in enumerate(dict.fromkeys(prompts))}
+            prompt = torch.tensor([known[text] for text in prompts], device=states.device)
+        else:
+            prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
     # under ZeRO-3 every rank makes as many forwards: as many chunks as its states before the sharing

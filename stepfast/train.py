@@ -340,7 +340,7 @@ class Trainer:
         bs = cfg.reward.batch_size
         pending_final = grpo.submit_scores(self.scorer, decode(self.pipe, traj.states[-1], cfg.rollout.decode_batch), texts, metas, bs)
         if self.stepwise:
-            est = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg)
+            est = grpo.estimate_images(self.pipe, self.estimator, cond, traj, cfg, prompts=texts)
             steps = est.shape[0]
             pending_est = grpo.submit_scores(self.scorer, est.flatten(0, 1), texts * steps,
                                              None if metas is None else metas * steps, bs)  # fmt: skip

@@ -40,6 +40,9 @@ class CountingEstimator:
         return self.estimator(cond, states, t, substeps, first_velocity, index, chunks)
 
 
+TEXTS = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
+
+
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     """A default-preset rollout of 2 groups of 4 on a tiny model: ddim, shared initial noise."""
@@ -48,8 +51,7 @@ def rollout(tmp_path_factory):
     cfg = load_config("default", [f"model.path={model}", "sde.steps=5", "rollout.groups=2", "rollout.group_size=4",
                                   "rollout.micro_batch=8", "rollout.substeps=2", "rollout.cfg=2.0"])  # fmt: skip
     pipe = load_pipeline(model)
-    texts = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
-    cond = encode_prompts(pipe, texts, cfg.rollout.cfg, torch.device("cpu"))
+    cond = encode_prompts(pipe, TEXTS, cfg.rollout.cfg, torch.device("cpu"))
     shape = latent_shape(pipe, 1, pipe.default_sample_size * pipe.vae_scale_factor)[1:]
     grid = sd3_time_grid(cfg.sde.steps, shift=3.0)
 
@@ -72,7 +74,9 @@ def test_shared_states_are_estimated_once_and_give_every_member_the_same_image(r
     counting = CountingEstimator(grpo.Estimator(pipe.transformer, cfg.rollout.cfg, use_cuda_graph=False))
     images = grpo.estimate_images(pipe, counting, cond, traj, cfg)
     every = grpo.estimate_images(pipe, counting, cond, traj, cfg, distinct=False)
-    assert counting.rows == [5 * 8 - 2 * 2 * 3, 5 * 8]  # 2 shared states x 2 groups, 3 members each spared
+    by_text = grpo.estimate_images(pipe, counting, cond, traj, cfg, prompts=TEXTS)  # prompts known by their text
+    assert counting.rows == [5 * 8 - 2 * 2 * 3, 5 * 8, 5 * 8 - 2 * 2 * 3]  # 2 shared states x 2 groups x 3 members
+    assert torch.equal(by_text, images)
     assert images.shape == every.shape == (5, 8, 3, *images.shape[-2:])
     torch.testing.assert_close(images, every, rtol=0, atol=1e-5)
     for j in (0, 1):
