@@ -528,7 +528,7 @@ def validate(cfg: Config) -> None:
     _check_not_empty(cfg)
     _check_deepspeed(cfg)
     # The paths (output_dir, a resume checkpoint) are checked where the run starts
-    # (stepfast.train.check_before_start), not here: a config is also read to print or to rebuild a
+    # (stepfast.startup.check_before_start), not here: a config is also read to print or to rebuild a
     # report, on machines where those paths need not exist.
 
 

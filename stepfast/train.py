@@ -25,29 +25,30 @@ if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): 
 import torch
 from tqdm import tqdm
 
-from stepfast import checkpoint, grpo, heldout, rewards
+from stepfast import checkpoint, grpo, heldout
 from stepfast.config import ConfigError, changed_settings, config_warnings, load_config, to_dict, to_yaml
-from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
+from stepfast.data.prompts import PromptRecord, resolve_prompt_file
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
 from stepfast.engine import (
     all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights, unread_settings,
 )
-from stepfast.files import check_creatable_dir, write_atomically
+from stepfast.files import write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
-from stepfast.models import check_pipeline_dir
 from stepfast.policy import (
-    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, resolve_model_path, save_lora,
-    save_transformer,
+    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer,
 )
 from stepfast.report import eval_tag
-from stepfast.rewards import PromptError
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
 from stepfast.rewards.transport import RewardServerError
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
+from stepfast.startup import (
+    PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
+    check_servers,
+)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -77,13 +78,6 @@ class EvalSetup(NamedTuple):
     metadata: list[dict]  # the held-out prompts' records, spread over categories up to eval.limit
     plan: list[tuple[dict, int]]  # (record, seed) of every image, prompt-major
     reward: object  # eval.reward, with its reward.options
-
-
-class PromptFiles(NamedTuple):
-    """The prompt files a run reads, read once, before the process group starts."""
-
-    train: list[PromptRecord]  # rollout.prompts
-    eval: list[PromptRecord] | None  # eval.prompts, when the run evaluates
 
 
 class Trainer:
@@ -493,158 +487,6 @@ class Trainer:
         last = last or self.resume_from  # nothing trained after the checkpoint resumed
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
-
-
-def build_reward(cfg, device: torch.device):
-    """The weighted training reward of reward.weights, each part with its reward.options (a model
-    reward on this rank's device unless they set one); a ConfigError for a part built without an
-    option it needs (TypeError) or with a bad one."""
-    try:
-        options = {name: rewards.with_device(name, cfg.reward.options.get(name), device) for name in cfg.reward.weights}
-        return rewards.load_weighted(cfg.reward.weights, options)
-    except (TypeError, ValueError, OSError) as exc:  # OSError: a model reward's files, named with it
-        raise ConfigError(f"reward.weights / reward.options: {exc}") from exc
-
-
-def build_eval_reward(cfg, device: torch.device, train_reward=None):
-    """The reward that scores held-out samples (eval.reward), with the options reward.options gives
-    it, as a train reward has; a ConfigError naming the setting for a bad name or options, or for a
-    model whose files do not load. When it is a part of `train_reward` (a WeightedReward), that
-    part, built with the same options: a second PickScore would take another 4 GB of the GPU."""
-    if train_reward is not None and cfg.eval.reward in train_reward.rewards:
-        return train_reward.rewards[cfg.eval.reward]
-    try:
-        options = rewards.with_device(cfg.eval.reward, cfg.reward.options.get(cfg.eval.reward), device)
-        return rewards.load(cfg.eval.reward, **options)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"eval.reward: {exc}") from exc
-    except OSError as exc:  # a model reward's files (a directory without the weights, say)
-        raise ConfigError(f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward}): "
-                          f"{' '.join(str(exc).split())}") from exc  # fmt: skip
-
-
-def check_prompts(reward, records: list[PromptRecord], setting: str, source: str) -> None:
-    """A ConfigError naming the file and line of a prompt that `reward` (if it can check prompts)
-    could not score: found at start, not after the first images are drawn. `setting`: the key that
-    names the prompt file, `source` its value."""
-    if not hasattr(reward, "check"):
-        return
-    try:
-        reward.check([r.prompt for r in records], [r.metadata for r in records])
-    except PromptError as exc:
-        line = records[exc.index].line if 0 <= exc.index < len(records) else None
-        where = f"{resolve_prompt_file(source)}:{line}" if line else f"{source}, prompt {exc.index + 1}"
-        raise ConfigError(f"{setting}: {where}: {exc.by()}{exc.reason}") from None
-    except ValueError as exc:
-        raise ConfigError(f"{setting}={source}: {exc}") from None
-
-
-def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
-    """A ConfigError naming the setting when a reward scored by a server (`remote`) cannot reach it,
-    or the server does not serve what it asks for: found at start, not after the first rollout.
-    `by_setting`: each reward by the setting that names it. Every rank asks (each scores through its
-    own client, and may reach another server), and with several ranks every one stops when one
-    fails: a server answers each of them on its own, unlike the files the other checks read."""
-    error = None
-    for key, reward in by_setting.items():
-        if hasattr(reward, "check_server"):
-            try:
-                reward.check_server()
-            except ValueError as exc:
-                error = f"{key}: {exc}"
-                break
-    if world > 1 and any(hasattr(reward, "check_server") for reward in by_setting.values()):
-        errors = [None] * world
-        torch.distributed.all_gather_object(errors, error)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed and error is None:
-            rank, error = failed[0]
-            error = f"(on rank {rank}) {error}"
-    if error is not None:
-        raise ConfigError(error)
-
-
-def check_reward_names(cfg) -> None:
-    """A ConfigError naming the setting (reward.weights, eval.reward) that names a reward neither
-    registered nor given as an import path, with the registered name closest to it."""
-    named = {f"reward.weights.{name}": name for name in cfg.reward.weights}
-    if cfg.eval.enabled:
-        named["eval.reward"] = cfg.eval.reward
-    for key, name in named.items():
-        try:
-            rewards.check_name(name)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
-
-
-def check_before_start(cfg) -> PromptFiles:
-    """What can be checked from the files alone, before the process group (and a first start's build
-    of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
-    there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, or a
-    prompt file that cannot be read (its line). Returns the prompt files read. (Reward names are
-    checked with the configuration, by `check_reward_names`.) Every such setting at fault is named in
-    the one error, so that a preset whose paths are all elsewhere on this machine is fixed in one go."""
-    errors = []
-    try:
-        check_pipeline_dir(resolve_model_path(cfg.model.path))
-    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        errors.append(f"model.path: {exc}")
-    prompt_files = {"rollout.prompts": cfg.rollout.prompts}
-    if cfg.eval.enabled:
-        prompt_files["eval.prompts"] = cfg.eval.prompts
-    read = {}
-    for key, source in prompt_files.items():
-        try:
-            read[key] = load_prompts(source)
-        except (FileNotFoundError, ValueError) as exc:
-            errors.append(f"{key}: {exc}")
-    errors += missing_reward_paths(cfg)
-    try:
-        check_creatable_dir(cfg.output_dir)
-    except ValueError as exc:
-        errors.append(f"output_dir: {exc}")
-    if cfg.resume not in ("none", "auto"):
-        try:
-            problem = resume_problem(Path(cfg.resume))
-        except OSError as exc:
-            problem = f"cannot check {cfg.resume!r}: {exc.strerror or exc}"
-        if problem:
-            errors.append(f"resume: {problem}")
-    if len(errors) == 1:
-        raise ConfigError(errors[0])
-    if errors:
-        raise ConfigError(f"{len(errors)} settings name what cannot be used here:\n  " + "\n  ".join(errors))
-    return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
-
-
-def resume_problem(path: Path) -> str | None:
-    """What keeps resume=PATH from naming a complete checkpoint, or None."""
-    if not path.exists():
-        return f"checkpoint {str(path)!r} does not exist (use auto, none or a checkpoint dir)"
-    if not path.is_dir():
-        return f"checkpoint {str(path)!r} is a file, not a checkpoint dir (use auto, none or a checkpoint dir)"
-    if checkpoint.is_complete(path):
-        return None
-    if (path / "checkpoints").is_dir() or (path / "metrics.csv").exists():
-        return (f"{path} is a run's output_dir, not one of its checkpoints: continue its newest with "
-                f"output_dir={path} resume=auto, or name one of {path / 'checkpoints'}/checkpoint-NNNNNN")
-    return f"{path} is not a complete checkpoint (no COMPLETE marker)"
-
-
-def missing_reward_paths(cfg) -> list[str]:
-    """`reward.options.<reward>.<key>: ... does not exist` for each local-path option
-    (`rewards.LOCAL_PATH_OPTIONS`) of a registered reward the run uses whose file or folder is not
-    there."""
-    used = set(cfg.reward.weights) | ({cfg.eval.reward} if cfg.eval.enabled else set())
-    out = []
-    for reward, options in cfg.reward.options.items():
-        if reward not in used or not isinstance(options, dict):
-            continue
-        for key in rewards.LOCAL_PATH_OPTIONS.get(reward, ()):
-            value = options.get(key)
-            if isinstance(value, str) and value and not Path(value).exists():
-                out.append(f"reward.options.{reward}.{key}: {value} does not exist")
-    return out
 
 
 def main(argv=None) -> int:

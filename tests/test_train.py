@@ -722,7 +722,7 @@ def test_bad_reward_name(model_dir, tmp_path, section, options, message, start):
 def test_a_model_reward_without_its_weights_is_named(tmp_path, section):
     """A reward's path that exists but holds no model (transformers raises a bare OSError): a
     ConfigError naming the setting and the reward, which the trainer prints without a traceback."""
-    from stepfast.train import build_eval_reward, build_reward
+    from stepfast.startup import build_eval_reward, build_reward
 
     empty = tmp_path / "clip"
     empty.mkdir()
@@ -739,7 +739,7 @@ def test_a_model_reward_without_its_weights_is_named(tmp_path, section):
 
 
 def test_an_eval_reward_that_is_also_trained_on_is_loaded_once():
-    from stepfast.train import build_eval_reward, build_reward
+    from stepfast.startup import build_eval_reward, build_reward
 
     cfg = load_config("default", ["reward.weights={shapes: 1.0, jpeg_compressibility: 0.1}", "eval.reward=shapes",
                                   "reward.options={shapes: {min_area: 5}}"])  # fmt: skip
@@ -857,7 +857,7 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
     """Each rank scores through its own client: each asks the server, and they all stop when any
     one cannot reach it (it could be another server per node), instead of waiting in a collective."""
     from stepfast.config import ConfigError
-    from stepfast.train import check_servers
+    from stepfast.startup import check_servers
 
     class Answers:
         def check_server(self):
