@@ -115,7 +115,8 @@ def check_reward_names(cfg) -> None:
 def check_before_start(cfg) -> PromptFiles:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
-    there, resume when its checkpoint is not there, model.path when it holds no SD3 pipeline, or a
+    there or a new run would write over one, resume when its checkpoint is not there, model.path
+    when it holds no SD3 pipeline, or a
     prompt file that cannot be read (its line). Returns the prompt files read. (Reward names are
     checked with the configuration, by `check_reward_names`.) Every such setting at fault is named in
     the one error, so that a preset whose paths are all elsewhere on this machine is fixed in one go."""
@@ -138,6 +139,8 @@ def check_before_start(cfg) -> PromptFiles:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
         errors.append(f"output_dir: {exc}")
+    if cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
+        errors.append(problem)
     if cfg.resume not in ("none", "auto"):
         try:
             problem = resume_problem(Path(cfg.resume))
@@ -150,6 +153,19 @@ def check_before_start(cfg) -> PromptFiles:
     if errors:
         raise ConfigError(f"{len(errors)} settings name what cannot be used here:\n  " + "\n  ".join(errors))
     return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
+
+
+def run_in_the_way(out: Path) -> str | None:
+    """What a new run (resume=none) would write over in `out`, said with what to do instead, or None."""
+    held = [name for name in ("metrics.csv", "checkpoints") if (out / name).exists()]
+    if held and checkpoint.latest(out) is None:
+        return (f"output_dir {out} already holds a run ({', '.join(held)}) that stopped before its first "
+                "checkpoint: give another output_dir, or start it again there with resume=auto, which "
+                "replaces its metrics.csv")  # fmt: skip
+    if held:
+        return (f"output_dir {out} already holds a run ({', '.join(held)}): continue it from its newest "
+                "checkpoint with resume=auto, or give another output_dir")  # fmt: skip
+    return None
 
 
 def resume_problem(path: Path) -> str | None:

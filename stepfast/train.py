@@ -86,9 +86,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
         # checked on every rank before the model loads (they would wait in a collective for rank 0):
-        # the output folder, wandb when asked for, the checkpoint resumed and the metrics logged so
-        # far (read once, here)
-        self._check_output_dir()
+        # wandb when asked for, the checkpoint resumed and the metrics logged so far (read once, here)
         if cfg.log.wandb:
             import_wandb()
         logged = read_logged(self.out / "metrics.csv") if (self.out / "metrics.csv").exists() else None
@@ -138,23 +136,6 @@ class Trainer:
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
-    def _check_output_dir(self) -> None:
-        """A ConfigError when a new run (resume=none) would write over a run in output_dir."""
-        if self.cfg.resume != "none":
-            return
-        held = [name for name in ("metrics.csv", "checkpoints") if (self.out / name).exists()]
-        if held and checkpoint.latest(self.out) is None:
-            raise ConfigError(
-                f"output_dir {self.out} already holds a run ({', '.join(held)}) that stopped before its first "
-                "checkpoint: give another output_dir, or start it again there with resume=auto, which "
-                "replaces its metrics.csv"
-            )
-        if held:
-            raise ConfigError(
-                f"output_dir {self.out} already holds a run ({', '.join(held)}): continue it from its "
-                "newest checkpoint with resume=auto, or give another output_dir"
-            )
-
     def _check_resumable(self) -> None:
         """A ConfigError when the checkpoint resumed cannot continue this run: written by another
         number of ranks, older than output_dir's newest, or past `iterations`."""
