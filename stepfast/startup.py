@@ -116,10 +116,10 @@ def check_before_start(cfg) -> PromptFiles:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
     there or a new run would write over one, resume when its checkpoint is not there, model.path
-    when it holds no SD3 pipeline, or a
-    prompt file that cannot be read (its line). Returns the prompt files read. (Reward names are
-    checked with the configuration, by `check_reward_names`.) Every such setting at fault is named in
-    the one error, so that a preset whose paths are all elsewhere on this machine is fixed in one go."""
+    when it holds no SD3 pipeline, or a prompt file that cannot be read (its line). Returns the
+    prompt files read. (Reward names are checked with the configuration, before, by
+    `check_reward_names`.) Every such setting at fault is named in the one error, so that a preset
+    whose paths are all elsewhere on this machine is fixed in one go."""
     errors = []
     try:
         check_pipeline_dir(resolve_model_path(cfg.model.path))
@@ -139,8 +139,9 @@ def check_before_start(cfg) -> PromptFiles:
         check_creatable_dir(cfg.output_dir)
     except ValueError as exc:
         errors.append(f"output_dir: {exc}")
-    if cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
-        errors.append(problem)
+    else:  # a folder that could not be checked is named above; its files cannot be read either
+        if cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
+            errors.append(problem)
     if cfg.resume not in ("none", "auto"):
         try:
             problem = resume_problem(Path(cfg.resume))

@@ -27,6 +27,7 @@ from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import load_prompts
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.engine import SHM_DIR, free_port
+from stepfast.models import EMBEDDED_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "stepfast" / "train.py"
@@ -802,6 +803,24 @@ def test_a_resume_that_names_no_checkpoint_says_what_it_names(baseline, tmp_path
     assert main(["--config", str(config), f"resume={target.format(out=out)}", f"output_dir={tmp_path / 'other'}"]) == 2
     assert message.format(out=out) in capsys.readouterr().err
     assert_unchanged(out, files)
+
+
+def test_an_output_dir_that_cannot_be_searched_is_a_config_error(tmp_path, monkeypatch, start):
+    """Named once, as the folder that cannot be checked, not as a traceback from the run-in-the-way check."""
+    from pathlib import Path as RealPath
+
+    config = write_config(tmp_path / "cfg.yaml", base_config(EMBEDDED_MODEL, tmp_path / "locked" / "run"))
+    exists = RealPath.exists
+
+    def guarded(self):  # the folder above the run cannot be searched
+        if str(self).startswith(str(tmp_path / "locked")):
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self)
+
+    monkeypatch.setattr(RealPath, "exists", guarded)
+    code, err = start(config)
+    assert code == 2, err
+    assert f"output_dir: cannot check {tmp_path / 'locked' / 'run'} (can a folder above it be searched?)" in err
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_named_so(baseline, tmp_path, start):
