@@ -166,7 +166,10 @@ def submit_scores(scorer, images: torch.Tensor, prompts: list[str], metadata: li
     pending = []
     for start in range(0, images.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        pending.append((start, scorer.submit(images[sl], prompts[sl], None if metadata is None else metadata[sl])))
+        future = scorer.submit(images[sl], prompts[sl], None if metadata is None else metadata[sl])
+        pending.append((start, future))
+        if future.done() and future.exception() is not None:  # scored inline, and failed: the rest would
+            break  # too (a dead server, each after its retries); collect_scores raises this one
     return pending
 
 

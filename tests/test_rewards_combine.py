@@ -369,3 +369,5 @@ def test_collected_scores_line_up_with_the_images_across_chunks(scorer_class):
     with pytest.raises(ValueError, match=r"NaN scores for 1 of 3 images: image 4$"):
         collect_scores(submit_scores(scorer, images, prompts, metadata, 3), lambda i: f"image {i}")
     scorer.close()
+    if scorer_class == "InlineScorer":  # scored as submitted: the chunks after a failed one are not
+        assert len(submit_scores(scorer, images, prompts, metadata, 3)) == 2
