@@ -83,18 +83,19 @@ class Estimator:
                 held[k].copy_(x)
 
     def __call__(self, cond: PromptEmbeddings, states, t, substeps: int, first_velocity=None, index=None,
-                 chunks: int = 1):  # fmt: skip
+                 calls_of: int = 0):  # fmt: skip
         """x0_hat of states [M, ...] at times t [M] (see `EstimateEngine`); state i is conditioned on
         prompt index[i] of `cond` (on its row i without `index`). With `batch` below M the states
         go through in chunks of `batch`, the last padded with repeats of the last state, so that
         every call has one shape (one CUDA graph) and memory is bounded by `batch`, not by M.
-        `chunks`: at least that many (chunks of padding after the states): under ZeRO-3 every
-        forward gathers the weights with the other ranks, which must make as many."""
+        `calls_of`: at least as many chunks as that many states would make (chunks of padding after
+        the states): under ZeRO-3 every forward gathers the weights with the other ranks, which
+        must make as many, and ranks may hold different numbers of distinct states."""
         m = states.shape[0]
         index = torch.arange(m) if index is None else torch.as_tensor(index).cpu()
         size = self.batch if 0 < self.batch < m else m
         out = []
-        for c in range(max(-(-m // size), chunks)):
+        for c in range(max(-(-m // size), -(-calls_of // self.batch) if self.batch else 1)):
             rows = torch.arange(min(c * size, m), min((c + 1) * size, m))
             real = len(rows)
             rows = torch.cat([rows, torch.full((size - real,), m - 1)])
@@ -127,17 +128,19 @@ def estimate_images(pipe, estimator: Estimator, cond: PromptEmbeddings, traj: Tr
     keep = inverse = None
     if distinct and cfg.rollout.same_latent:
         if prompts is not None:
+            if len(prompts) != b:
+                raise ValueError(f"got {len(prompts)} prompts for {b} samples")
             known = {text: i for i, text in enumerate(dict.fromkeys(prompts))}
             prompt = torch.tensor([known[text] for text in prompts], device=states.device)
         else:
             prompt = torch.unique(cond.embeds.flatten(1), dim=0, return_inverse=True)[1].to(states.device)
         keep, inverse = distinct_rows(states, t, prompt[index.to(states.device)])
         index, states, t, first_velocity = index[keep.cpu()], states[keep], t[keep], first_velocity[keep]
-    # under ZeRO-3 every rank makes as many forwards: as many chunks as its states before the sharing
-    # above (the same count on every rank: each has B samples), however many that left
-    batch = cfg.rollout.estimate_batch
-    chunks = -(-(steps * b) // batch) if cfg.optim.zero_stage == 3 and batch > 0 else 1
-    x0 = estimator(cond, states, t, cfg.rollout.substeps, first_velocity=first_velocity, index=index, chunks=chunks)
+    # under ZeRO-3 every rank makes as many forwards: the chunks of its states before the sharing
+    # above (T x B on every rank), however many that left
+    calls_of = steps * b if cfg.optim.zero_stage == 3 else 0
+    x0 = estimator(cond, states, t, cfg.rollout.substeps, first_velocity=first_velocity, index=index,
+                   calls_of=calls_of)  # fmt: skip
     images = decode(pipe, x0, cfg.rollout.decode_batch)
     if inverse is not None:
         images = images[inverse.to(images.device)]

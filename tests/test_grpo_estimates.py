@@ -35,9 +35,9 @@ class CountingEstimator:
     def __init__(self, estimator):
         self.estimator, self.rows = estimator, []
 
-    def __call__(self, cond, states, t, substeps, first_velocity=None, index=None, chunks=1):
+    def __call__(self, cond, states, t, substeps, first_velocity=None, index=None, calls_of=0):
         self.rows.append(states.shape[0])
-        return self.estimator(cond, states, t, substeps, first_velocity, index, chunks)
+        return self.estimator(cond, states, t, substeps, first_velocity, index, calls_of)
 
 
 TEXTS = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
@@ -155,9 +155,9 @@ def test_a_chunk_pads_with_its_last_state_and_keeps_each_states_prompt():
     # one Euler step from t = 0.5 to 0 with v = the prompt's value: x0 = -0.5 v
     torch.testing.assert_close(x0[:, 0, 0, 0], -0.5 * index.float())
     assert seen == [[2.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # the last chunk padded with its state
-    # ZeRO-3: as many calls as another rank makes (5 chunks), the extra ones padding only
+    # ZeRO-3: as many calls as another rank's 9 states make (5 chunks), the extra ones padding only
     seen.clear()
-    x0 = grpo.Estimator(Model(), 1.0, use_cuda_graph=False, batch=2)(cond, states, t, 1, index=index, chunks=5)
+    x0 = grpo.Estimator(Model(), 1.0, use_cuda_graph=False, batch=2)(cond, states, t, 1, index=index, calls_of=9)
     torch.testing.assert_close(x0[:, 0, 0, 0], -0.5 * index.float())
     assert seen == [[2.0, 0.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
 
