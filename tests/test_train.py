@@ -173,20 +173,19 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     assert list((out / "tensorboard").iterdir())
 
 
-def _interruptible():
-    """In the trainer's process, before it starts: Ctrl-C as a terminal gives it. A test suite started
-    in the background (`make test &` in a script) passes SIGINT on ignored, and Python then keeps
-    ignoring it, as it should for `nohup`."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path) -> int:
     """Starts the trainer on `config`, sends it `sig` once checkpoint 2 of `out` is complete, and
     returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run)."""
     cmd = [sys.executable, str(TRAIN), "--config", str(config)]
+    # Ctrl-C as a terminal gives it: a suite started in the background (`make test &` in a script)
+    # has SIGINT ignored, which a child inherits and Python then keeps (as it should, for nohup); a
+    # signal with a handler here is reset to the default in the child instead
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with err.open("w") as handle:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True,
-                                preexec_fn=_interruptible)  # fmt: skip
+        try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         try:
             deadline = time.time() + 600
             while not checkpoint.is_complete(out / "checkpoints" / "checkpoint-000002"):
