@@ -45,8 +45,12 @@ fi
 # the trainer's tests and the iteration benchmark start `python stepfast/train.py` as subprocesses,
 # which find stepfast.kernels (kernels/, mapped by pyproject) only in an installed stepfast
 if ! why=$("$PYTHON" -c "import stepfast.kernels" 2>&1); then
-  echo "gpu_check: $PYTHON cannot import stepfast.kernels ($(tail -n 1 <<<"$why")): install stepfast into it" \
-       "first ($PYTHON -m pip install --no-build-isolation -e .; make test does it for .venv)" >&2
+  why=$(tail -n 1 <<<"$why")
+  hint=""
+  if [[ "$why" == *"No module named 'stepfast"* ]]; then
+    hint=": install stepfast into it first ($PYTHON -m pip install --no-build-isolation -e .; make test does it for .venv)"
+  fi
+  echo "gpu_check: $PYTHON cannot import stepfast.kernels ($why)$hint" >&2
   exit 2
 fi
 export STEPFAST_HBM_PEAK_BYTES_PER_S="${STEPFAST_HBM_PEAK_BYTES_PER_S:-4.8e12}"

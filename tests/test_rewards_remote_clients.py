@@ -193,7 +193,9 @@ def test_vlm_judge_is_checked_at_load_and_start():
         rewards.load("vlm", url=server.url, model="judge-7b", retries=0, api_key="k").check_server()
         with pytest.raises(ValueError, match=r"/v1/models serves \['judge-7b', 'other'\], not model='judge-8b'"):
             rewards.load("vlm", url=server.url + "/v1", model="judge-8b", retries=0, api_key="k").check_server()
-    assert keys == ["Bearer k", "Bearer k"]
+        with pytest.raises(ValueError, match=r"/v1/models refused the request \(HTTP 401: .*\): check api_key"):
+            rewards.load("vlm", url=server.url, model="judge-7b", retries=0, api_key="wrong").check_server()
+    assert keys == ["Bearer k", "Bearer k", "Bearer wrong"]
     with LoopbackServer(judge_answer([])) as server:  # no model list (GET answers 501): taken at its word
         rewards.load("vlm", url=server.url, model="anything", retries=0).check_server()
     with pytest.raises(ValueError, match="does not accept connections"):

@@ -76,7 +76,11 @@ class VlmJudgeReward:
         try:
             listed = get_json(models_url, timeout=min(self.timeout, 10.0), headers=self.headers)
             served = [m["id"] for m in listed["data"]]
-        except (RewardServerError, ValueError, KeyError, TypeError):
+        except RewardServerError as exc:
+            if exc.last_failure.startswith(("HTTP 401", "HTTP 403")):  # a judge that would refuse every image
+                raise ValueError(f"{models_url} refused the request ({exc.last_failure}): check api_key") from None
+            return
+        except (ValueError, KeyError, TypeError):
             return
         if self.model not in served:
             raise ValueError(f"{models_url} serves {served}, not model={self.model!r}")
