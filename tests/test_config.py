@@ -1,5 +1,7 @@
 """Configuration: presets, dotted overrides, and errors that name the key."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -489,3 +491,35 @@ def test_changed_settings_name_each_key_with_both_values():
     # a string that reads as a number is quoted, as config.yaml writes it
     assert changed_settings(load_config("flow_grpo"), load_config("flow_grpo", ["log.wandb_project='1e3'"])) == [
         "log.wandb_project: stepfast -> '1e3'"]
+
+
+def test_the_readme_key_table_gives_the_code_defaults():
+    """Each row of the README's key table: its keys, in order, with the defaults of config.py."""
+    import yaml
+
+    from stepfast.config import Config, _get_dotted
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("| key | code default | what it does |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    defaults = Config()
+    checked = 0
+    for row in table.splitlines():
+        keys_cell, default_cell = [cell.strip() for cell in row.strip("|").split("|")[:2]]
+        if not default_cell:  # a group of keys (credit_opts.*), described, not given
+            continue
+        keys = [k.strip().strip("`") for k in keys_cell.split(",")]
+        values = [v.strip().strip("`") for v in default_cell.split(", ")]
+        assert len(keys) == len(values), row
+        for key, shown in zip(keys, values):
+            actual = _get_dotted(defaults, key)
+            if shown == "all":  # no limit
+                assert actual in (None, 0), key
+            elif shown == "Flow-GRPO's":
+                assert actual == ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                                  "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"], key  # fmt: skip
+            elif isinstance(actual, float):  # 3e-4: a number here (YAML 1.1 reads it as text)
+                assert actual == float(shown), (key, shown, actual)
+            else:
+                assert actual == (shown if isinstance(actual, str) else yaml.safe_load(shown)), (key, shown, actual)
+            checked += 1
+    assert checked >= 35
