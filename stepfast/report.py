@@ -95,13 +95,19 @@ def eval_curve(evals: dict, iterations: int, path: Path) -> None:
     plt.close(fig)
 
 
+def _number(cell) -> float:
+    """A metrics.csv cell as a float: NaN where nothing was logged ("" or a column the row lacks)."""
+    return float("nan") if cell in ("", None) else float(cell)
+
+
 def gain_heatmap(rows: list[dict], path: Path) -> bool:
     """Mean |reward gain| per denoising step (rows) over training (columns)."""
     keys = sorted({k for r in rows for k in r if k.startswith("gain/")}, key=lambda k: int(k.split("/")[1]))
-    rows = [r for r in rows if keys and r.get(keys[0], "") not in ("", None)]
+    rows = [r for r in rows if any(_number(r.get(k)) == _number(r.get(k)) for k in keys)]  # some gain logged
     if not keys or not rows:
         return False
-    data = np.array([[float(r[k]) for r in rows] for k in keys])
+    # a step not logged at an iteration (a run resumed with other sde.steps) is a blank cell
+    data = np.array([[_number(r.get(k)) for r in rows] for k in keys])
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     im = ax.imshow(data, aspect="auto", origin="upper", cmap="viridis",
@@ -138,10 +144,10 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         reward_curve(rows, report / "reward_curve.png")
         lines += ["![reward](reward_curve.png)", ""]
         last = rows[-1]
-        times = {k: last[k] for k in last if str(k).startswith("time/")}
-        lines += [f"Iterations: {last['iteration']}; last train reward {float(last['reward']):.3f}; "
-                  f"seconds per iteration {float(last.get('time/iteration', float('nan'))):.1f} "
-                  f"({', '.join(f'{k[5:]} {float(v):.1f}' for k, v in times.items() if k != 'time/iteration')})",
+        times = {k: _number(last[k]) for k in last if str(k).startswith("time/")}
+        lines += [f"Iterations: {last['iteration']}; last train reward {_number(last.get('reward')):.3f}; "
+                  f"seconds per iteration {times.get('time/iteration', float('nan')):.1f} "
+                  f"({', '.join(f'{k[5:]} {v:.1f}' for k, v in times.items() if k != 'time/iteration')})",
                   ""]  # fmt: skip
     if gain_heatmap(rows, report / "gain_heatmap.png"):
         lines += ["Mean |reward gain| per denoising step over training:", "", "![gains](gain_heatmap.png)", ""]

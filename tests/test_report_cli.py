@@ -151,3 +151,28 @@ def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_sample
         assert proc.returncode == 0, proc.stderr
         summary = (run / "report" / "summary.md").read_text()
         assert "**Overall (strict): " in summary and "±" not in summary
+
+
+def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
+    """A run resumed with other sde.steps logs a gain step the earlier rows lack (the trainer's rows:
+    the key missing; metrics.csv: an empty cell), and a time not logged in the last row: the
+    heatmap shows them blank and the summary says nan, instead of the report failing at the end of
+    the run."""
+    out, rows, evals = run
+    trainer_rows = [dict(r) for r in rows]
+    for r in trainer_rows[3:]:
+        r["gain/2"] = 0.25  # from iteration 4 on
+    del trainer_rows[-1]["time/rollout"]
+    report = write_report(out, trainer_rows, evals, None, load_config("default", ["iterations=6"]))
+    assert (report / "gain_heatmap.png").is_file()
+    assert "seconds per iteration 2.5 ()" in (report / "summary.md").read_text()
+    fields = list(dict.fromkeys(k for r in trainer_rows for k in r))
+    with open(out / "metrics.csv", "w", newline="") as f:  # as the logger rewrites it: "" where not logged
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: r.get(k, "") for k in fields} for r in trainer_rows)
+    (report / "gain_heatmap.png").unlink()
+    proc = run_cli(str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (report / "gain_heatmap.png").is_file()
+    assert "seconds per iteration 2.5 (rollout nan)" in (report / "summary.md").read_text()
