@@ -7,6 +7,7 @@ after logging them but before checkpointing) are dropped, so the CSV has each it
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -109,22 +110,30 @@ def wandb_run_id(output_dir, wandb_module, resuming: bool) -> str:
 
 def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:
     """The rows of a metrics.csv as the trainer logged them: numbers, "" where a column was not
-    logged that iteration. A ValueError naming the file, and the line and column at fault, when it
-    cannot be read back (the file is left as it is)."""
+    logged that iteration. A last line without its newline is a row whose write was cut short (a
+    run killed while logging it) and is left out. A ValueError naming the file, and the line and
+    column at fault, when it cannot be read back (the file is left as it is)."""
     try:
         with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            missing = [k for k in required if k not in fields]
-            if fields and missing:
-                raise ValueError(f"the header has no {missing} column: {fields[:6]}")
-            rows = []
-            for row in reader:
-                where = f"line {reader.line_num}"
-                values = {k: _cell(v, f"{where}, column {k!r}") for k, v in row.items() if k is not None}
-                if not isinstance(values.get("iteration"), int):
-                    raise ValueError(f"{where}: iteration {row.get('iteration')!r} is not an integer")
-                rows.append(values)
+            text = f.read()
+        lines = text.splitlines(keepends=True)
+        if len(lines) > 1 and not text.endswith(("\n", "\r")):
+            text = "".join(lines[:-1])  # the trainer writes whole rows: this one was cut off
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        fields = reader.fieldnames or []
+        missing = [k for k in required if k not in fields]
+        if fields and missing:
+            raise ValueError(f"the header has no {missing} column: {fields[:6]}")
+        rows = []
+        for row in reader:
+            where = f"line {reader.line_num}"
+            extra, short = row.pop(None, []), sum(v is None for v in row.values())
+            if extra or short:  # DictReader's filling: the trainer writes every cell of a row
+                raise ValueError(f"{where}: {len(fields) + len(extra) - short} cells, where the header has {len(fields)}")
+            values = {k: _cell(v, f"{where}, column {k!r}") for k, v in row.items()}
+            if not isinstance(values.get("iteration"), int):
+                raise ValueError(f"{where}: iteration {row.get('iteration')!r} is not an integer")
+            rows.append(values)
     except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
         raise ValueError(
             f"{path}: cannot read the metrics logged so far ({exc}); repair it, or move it away to start a new log"
@@ -132,9 +141,9 @@ def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:
     return rows
 
 
-def _cell(text: str | None, where: str):
-    """A metrics.csv cell: "" (not logged that iteration, or a short row) or an int or a float."""
-    if text is None or text == "":
+def _cell(text: str, where: str):
+    """A metrics.csv cell: "" (not logged that iteration) or an int or a float."""
+    if text == "":
         return ""
     for kind in (int, float):
         try:

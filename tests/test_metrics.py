@@ -70,3 +70,20 @@ def test_a_resumed_run_logs_on_in_the_wandb_run_it_began(tmp_path, monkeypatch):
     assert start(1) == ("first", "allow")  # resumed: the same W&B run
     assert start(0) == ("second", "allow")  # begun again: a new one, kept for its resumes
     assert start(1) == ("second", "allow")
+
+
+def test_a_row_cut_short_by_a_kill_is_left_out_and_a_row_of_other_length_is_named(tmp_path):
+    """The logger writes whole rows; a kill while it appends one leaves a last line without its
+    newline, which is a row the run did not finish (past its checkpoint, as a resume drops). A row
+    with more or fewer cells than the header anywhere else was edited: named, not read shifted."""
+    path = tmp_path / "metrics.csv"
+    path.write_text("iteration,reward,loss\n1,0.5,0.1\n2,0.6,0.2\n3,0.4")
+    assert [r["iteration"] for r in read_logged(path)] == [1, 2]
+    path.write_text("iteration,reward,loss\n1,0.5,0.1\n2,0.6\n3,0.4,0.3\n")
+    with pytest.raises(ValueError, match=r"metrics.csv: cannot read .*\(line 3: 2 cells, where the header has 3\)"):
+        read_logged(path)
+    path.write_text("iteration,reward,loss\n1,0.5,0.1,9\n")
+    with pytest.raises(ValueError, match=r"\(line 2: 4 cells, where the header has 3\)"):
+        read_logged(path)
+    path.write_text("iteration,reward,loss\n1,,0.1\n")  # a column not logged that iteration
+    assert read_logged(path) == [{"iteration": 1, "reward": "", "loss": 0.1}]
