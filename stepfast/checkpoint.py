@@ -12,7 +12,9 @@
 
 Every rank writes into `checkpoint-000010.tmp/`; after a barrier rank 0 writes COMPLETE and renames
 the folder. A kill at any moment leaves either the old set of checkpoints or the old set plus the new
-one: a `.tmp` folder is never read, and `resume=auto` takes the newest folder with COMPLETE in it.
+one (less those pruned: renamed `.deleting` first): a `.tmp` or `.deleting` folder is never read,
+and `resume=auto` takes the newest folder with COMPLETE in it. The next prune removes what a kill
+left.
 """
 
 from __future__ import annotations
@@ -108,11 +110,19 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and stale .tmp folders."""
+    """Delete all but the newest `keep` complete checkpoints, stale .tmp folders, and what an earlier
+    prune left half deleted. A checkpoint is first renamed to `.deleting` (one atomic step out of
+    the complete set), so that a kill during its deletion leaves a folder the next prune finds."""
     done = sorted(p for p in root.iterdir() if PATTERN.match(p.name) and is_complete(p))
     for old in done[: max(len(done) - keep, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob("checkpoint-*.tmp"):
+        doomed = old.with_name(old.name + ".deleting")
+        old.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    # checkpoints are written under .tmp and renamed complete: a checkpoint-NNNNNN folder older than
+    # the newest complete one, without COMPLETE, is one whose deletion an earlier version cut short
+    newest = done[-1].name if done else None
+    debris = [p for p in root.iterdir() if PATTERN.match(p.name) and newest and p.name < newest and not is_complete(p)]
+    for stale in [*root.glob("checkpoint-*.tmp"), *root.glob("checkpoint-*.deleting"), *debris]:
         shutil.rmtree(stale, ignore_errors=True)
 
 

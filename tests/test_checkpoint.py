@@ -40,6 +40,36 @@ def test_keeps_the_newest_complete_checkpoints_and_drops_stale_partial_ones(tmp_
     assert sorted(p.name for p in root.iterdir()) == [f"checkpoint-00000{i}" for i in (3, 4, 5)]
 
 
+def test_a_prune_cut_short_is_finished_by_the_next_one(tmp_path, monkeypatch):
+    """A kill while a pruned checkpoint is deleted (its COMPLETE may go first: rmtree's order is the
+    folder's) leaves a folder no complete set names; the next save's prune removes it."""
+    import shutil
+
+    root = checkpoint.checkpoint_dir(tmp_path)
+    for it in (1, 2):
+        checkpoint.save(tmp_path, it, FileEngine(it), {"iteration": it}, rank=0, world=1, keep=2)
+    real_rmtree = shutil.rmtree
+
+    def killed(path, ignore_errors=False):  # the kill: COMPLETE is gone, the rest is left
+        if Path(path).name.startswith("checkpoint-000001"):
+            (Path(path) / "COMPLETE").unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 3, FileEngine(3), {"iteration": 3}, rank=0, world=1, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert checkpoint.latest(tmp_path) == root / "checkpoint-000003"
+    checkpoint.save(tmp_path, 4, FileEngine(4), {"iteration": 4}, rank=0, world=1, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000003", "checkpoint-000004"]
+    # what an earlier version's cut-short prune left: a final-named folder without COMPLETE
+    (root / "checkpoint-000002").mkdir()
+    (root / "checkpoint-000002" / "state.pt").write_bytes(b"left")
+    checkpoint.save(tmp_path, 5, FileEngine(5), {"iteration": 5}, rank=0, world=1, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000004", "checkpoint-000005"]
+
+
 def test_a_checkpoint_is_complete_before_it_takes_its_final_name(tmp_path, monkeypatch):
     """COMPLETE is written inside the .tmp folder and the folder then renamed: a kill between the two
     leaves a .tmp folder (never read), never a final-named folder without COMPLETE."""
