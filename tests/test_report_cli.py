@@ -117,7 +117,7 @@ def append(path, text: str) -> None:
      ["eval_after.json", "categories"]),
     (lambda run: (run / "config.yaml").unlink(), ["config.yaml", "missing"]),
     (lambda run: (run / "config.yaml").write_text("credit: nosuch\n"), ["config.yaml", "credit"]),
-    (lambda run: append(run / "metrics.csv", "7,abc\n"), ["metrics.csv", "line 8", "'abc'"]),
+    (lambda run: append(run / "metrics.csv", "7,abc,,,,,\n"), ["metrics.csv", "line 8", "'abc'"]),
 ], ids=["bad eval json", "eval without categories", "eval categories a list", "no config", "bad config", "bad metric"])
 def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, fragments):
     run, _, _ = run
