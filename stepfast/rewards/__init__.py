@@ -41,8 +41,6 @@ class PromptError(ValueError):
         return f"reward {self.reward!r}: " if self.reward else ""
 
 
-#: name -> "module:attribute" of a class or factory called with the reward's options (`register` may
-#: also give the class or factory itself, for rewards defined in the running program).
 #: The options of registered rewards that name local files or folders: the trainer checks that they
 #: are there before it starts (the reward itself says more when one is there but incomplete).
 LOCAL_PATH_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -53,6 +51,8 @@ LOCAL_PATH_OPTIONS: dict[str, tuple[str, ...]] = {
     "ocr": ("model_dir",),
 }
 
+#: name -> "module:attribute" of a class or factory called with the reward's options (`register` may
+#: also give the class or factory itself, for rewards defined in the running program).
 REGISTRY: dict[str, str | Callable[..., Any]] = {
     "shapes": "stepfast.rewards.shapes:ShapesReward",
     "weighted": "stepfast.rewards.combine:WeightedReward",

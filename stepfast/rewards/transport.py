@@ -80,6 +80,12 @@ def check_url(url: str) -> urllib.parse.SplitResult:
     return parts
 
 
+def _wait_before(attempt: int, backoff: float) -> None:
+    """The pause before try `attempt` (from 0): none before the first, then backoff * 2**k, capped."""
+    if attempt:
+        time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+
+
 def check_accepts_connections(url: str, timeout: float = 10.0, retries: int = 0, backoff: float = 1.0) -> None:
     """A ValueError naming `url` unless its host accepts a TCP connection on its port, tried as a
     request is: for servers whose protocol has no health check, found at start rather than after
@@ -88,8 +94,7 @@ def check_accepts_connections(url: str, timeout: float = 10.0, retries: int = 0,
     port = parts.port or (443 if parts.scheme == "https" else 80)
     last_failure = "no attempt made"
     for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+        _wait_before(attempt, backoff)
         try:
             socket.create_connection((parts.hostname, port), timeout=timeout).close()
             return
@@ -106,8 +111,7 @@ def _request(method, url, body, headers, parse, timeout, retries, backoff, serve
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     last_failure = "no attempt made"
     for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+        _wait_before(attempt, backoff)
         try:
             status, payload = _send_once(method, parts, path, body, headers, timeout)
         except (socket.timeout, TimeoutError):
