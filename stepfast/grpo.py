@@ -93,16 +93,20 @@ class Estimator:
         must make as many, and ranks may hold different numbers of distinct states."""
         m = states.shape[0]
         index = torch.arange(m) if index is None else torch.as_tensor(index).cpu()
+        t = torch.as_tensor(t).to(states.device)
         size = self.batch if 0 < self.batch < m else m
         out = []
         for c in range(max(-(-m // size), -(-calls_of // self.batch) if self.batch else 1)):
-            rows = torch.arange(min(c * size, m), min((c + 1) * size, m))
-            real = len(rows)
-            rows = torch.cat([rows, torch.full((size - real,), m - 1)])
-            self._load(cond.select(index[rows]))
-            on = rows.to(states.device)
-            v = None if first_velocity is None else first_velocity[on]
-            out.append(self.engine(states[on], torch.as_tensor(t).to(states.device)[on], substeps, v)[:real])
+            lo, hi = min(c * size, m), min((c + 1) * size, m)
+
+            def chunk(x, lo=lo, hi=hi):  # rows lo..hi (a view), padded to `size` with the last state
+                if hi - lo == size:
+                    return x[lo:hi]
+                return torch.cat([x[lo:hi], x[m - 1 :].expand(size - (hi - lo), *x.shape[1:])])
+
+            self._load(cond.select(chunk(index)))
+            v = None if first_velocity is None else chunk(first_velocity)
+            out.append(self.engine(chunk(states), chunk(t), substeps, v)[: hi - lo])
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
