@@ -103,7 +103,7 @@ def _number(cell) -> float:
 def gain_heatmap(rows: list[dict], path: Path) -> bool:
     """Mean |reward gain| per denoising step (rows) over training (columns)."""
     keys = sorted({k for r in rows for k in r if k.startswith("gain/")}, key=lambda k: int(k.split("/")[1]))
-    rows = [r for r in rows if any(_number(r.get(k)) == _number(r.get(k)) for k in keys)]  # some gain logged
+    rows = [r for r in rows if not all(np.isnan(_number(r.get(k))) for k in keys)]  # some gain logged
     if not keys or not rows:
         return False
     # a step not logged at an iteration (a run resumed with other sde.steps) is a blank cell
