@@ -256,6 +256,10 @@ class Trainer:
         state = checkpoint.load(path, self.engine, self.rank)
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
+        elif self.ema is not None:  # optim.ema turned on at this resume: average from the resumed weights
+            self.ema = EMA(self.engine.module, self.cfg.optim.ema, self.cfg.optim.zero_stage)
+            if self.main:
+                print(f"stepfast: {path} holds no EMA (optim.ema was 0): the EMA starts from its weights")
         self.start = state["iteration"] + 1
         self.evals = state.get("evals", {})
         if self.main and self.start > self.cfg.iterations:

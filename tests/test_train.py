@@ -839,6 +839,23 @@ def test_a_run_stopped_before_its_first_checkpoint_is_named_so(baseline, tmp_pat
     assert [r["iteration"] for r in metrics(out)] == [1]
 
 
+def test_an_ema_turned_on_at_a_resume_averages_from_the_resumed_weights(baseline, tmp_path):
+    """The baseline ran without an EMA; resumed with optim.ema=0.5 for one more iteration, the EMA is
+    the mean of checkpoint 4's weights and iteration 5's, not of the initial weights and iteration 5's."""
+    from safetensors.torch import load_file
+
+    config, out, _ = copy_run(baseline, tmp_path)
+    proc = train(config, "resume=auto", "iterations=5", "optim.ema=0.5", "log.report=false")
+    assert f"{out}/checkpoints/checkpoint-000004 holds no EMA (optim.ema was 0): the EMA starts from its weights" in proc.stdout
+    before, after = (load_file(out / "checkpoints" / f"checkpoint-00000{i}" / "lora" / "pytorch_lora_weights.safetensors")
+                     for i in (4, 5))  # fmt: skip
+    shadow = torch.load(out / "checkpoints" / "checkpoint-000005" / "state.pt", weights_only=False)["ema"]["shadow"]
+    assert len(shadow) == len(after) > 0
+    for name, weight in shadow.items():
+        key = "transformer." + name.replace(".default.", ".")
+        assert torch.equal(weight, before[key].mul(0.5).add(after[key], alpha=0.5)), name
+
+
 def test_a_run_killed_after_its_last_checkpoint_finishes_on_resume(baseline, tmp_path):
     """Killed between the last checkpoint and the end (its report): resume=auto with the same
     iterations trains nothing more and writes what was left."""
