@@ -10,11 +10,11 @@
         state.pt                                iteration, EMA, prompt-sampler position, evaluations so far
         COMPLETE                                written last
 
-Every rank writes into `checkpoint-000010.tmp/`; after a barrier rank 0 writes COMPLETE and renames
-the folder. A kill at any moment leaves either the old set of checkpoints or the old set plus the new
-one (less those pruned: renamed `.deleting` first): a `.tmp` or `.deleting` folder is never read,
-and `resume=auto` takes the newest folder with COMPLETE in it. The next prune removes what a kill
-left.
+Every rank writes into `checkpoint-000010.tmp/` and flushes it to disk; after a barrier rank 0 writes
+COMPLETE and renames the folder. A kill or a power loss at any moment leaves either the old set of
+checkpoints or the old set plus the new one (less those pruned: renamed `.deleting` first): a `.tmp`
+or `.deleting` folder is never read, and `resume=auto` takes the newest folder with COMPLETE in it.
+The next prune removes what a kill left.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from stepfast.files import sync, sync_folder
 
 PATTERN = re.compile(r"^checkpoint-(\d{6})$")
 
@@ -98,12 +100,16 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
         torch.save(state, tmp / "state.pt")
         if write_weights is not None:
             write_weights(tmp)
+    sync(tmp)  # every rank, after its own writes: on disk before COMPLETE can name them
     _barrier(world)
     if rank == 0:
         (tmp / "COMPLETE").write_text(f"{iteration}\n")
+        sync(tmp / "COMPLETE")
+        sync_folder(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        sync_folder(root)
         prune(root, keep)
     _barrier(world)
     return final

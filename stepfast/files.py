@@ -4,24 +4,60 @@ and files written whole."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # some filesystems cannot sync a folder (EINVAL); its files were synced, which is what matters
+        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_folder(path: str | Path) -> None:
+    """Flush a folder's own entries to disk (the names created, renamed or removed in it), not its
+    files: what makes a rename into it survive a power loss."""
+    _fsync(Path(path))
+
+
+def sync(path: str | Path) -> None:
+    """Flush `path` to disk: a file, or a folder with every file and folder under it (files first).
+    A rename that marks something written (write then rename) must follow this, or a power loss can
+    leave the new name on files the disk never received."""
+    path = Path(path)
+    if not path.is_dir():
+        _fsync(path)
+        return
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            _fsync(Path(root, name))
+        _fsync(Path(root))
+
+
 def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
-    """write(tmp) into `path`'s sibling `<name>.tmp`, then renamed over `path`: an interrupted write
-    leaves the file it would replace (or none), never a truncated one, and no `.tmp` beside it."""
+    """write(tmp) into `path`'s sibling `<name>.tmp`, flushed to disk, then renamed over `path`: an
+    interrupted write or a power loss leaves the file it would replace (or none), never a truncated
+    one, and no `.tmp` beside it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
+        sync(tmp)
     except BaseException:
         with contextlib.suppress(OSError):  # the write's own error is the one to see
             tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
+    sync_folder(path.parent)
 
 
 #: The name of the folder `check_creatable_dir` creates and removes at once to see that it can.

@@ -11,7 +11,7 @@ import io
 import json
 from pathlib import Path
 
-from stepfast.files import write_atomically
+from stepfast.files import sync, write_atomically
 
 
 class MetricsLogger:
@@ -74,6 +74,11 @@ class MetricsLogger:
         write_atomically(self.path, write)
         if self.rows and list(self.rows[0]) != fields:
             self.rows[0] = {k: self.rows[0].get(k, "") for k in fields}
+
+    def sync(self) -> None:
+        """Flush metrics.csv to disk (before a checkpoint: a power loss then keeps the rows it covers)."""
+        if self.enabled and self.path.exists():
+            sync(self.path)
 
     def close(self) -> None:
         if self.tb is not None:

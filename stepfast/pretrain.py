@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.files import PROBE_PREFIX, check_creatable_dir
+from stepfast.files import PROBE_PREFIX, check_creatable_dir, sync
 from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
@@ -329,6 +329,7 @@ def write_pipeline(pipe, out: Path) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     save_pipeline(pipe, tmp, dtype=torch.float16)
+    sync(tmp)  # on disk before it takes the model's name
     old = out.with_name(out.name + ".old")
     if old.exists():
         shutil.rmtree(old)

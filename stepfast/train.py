@@ -274,6 +274,8 @@ class Trainer:
         ema = self.ema.state_dict(keep=self.main) if self.ema is not None else None
         weights = trainable_weights(self.engine.module, self.cfg.optim.zero_stage == 3, keep=self.main)
         state = {"iteration": iteration, "sampler_position": iteration, "evals": self.evals, "ema": ema}
+        if self.main:
+            self.logger.sync()  # the rows a resume from this checkpoint keeps
         return checkpoint.save(self.out, iteration, self.engine, state, self.rank, self.world,
                                lambda folder: self._save_weights(folder, weights, ema),
                                keep=self.cfg.keep_checkpoints)  # fmt: skip

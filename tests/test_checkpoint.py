@@ -86,6 +86,36 @@ def test_a_checkpoint_is_complete_before_it_takes_its_final_name(tmp_path, monke
     assert checkpoint.iteration_of(checkpoint.latest(tmp_path)) == 7
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names the synced files through /proc")
+def test_a_checkpoint_is_on_disk_before_it_takes_its_final_name(tmp_path, monkeypatch):
+    """Every file and folder of the checkpoint, COMPLETE included, is flushed (fsync) before the
+    rename that makes it the newest, and the rename itself after: a power loss cannot leave a
+    complete-named checkpoint whose files the disk never received."""
+    import os
+
+    events = []
+    fsync, rename = os.fsync, Path.rename
+
+    def fsync_spy(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        return fsync(fd)
+
+    def rename_spy(self, target):
+        events.append(("rename", self.absolute()))
+        return rename(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync_spy)
+    monkeypatch.setattr(Path, "rename", rename_spy)
+    final = checkpoint.save(tmp_path, 7, FileEngine(), {"iteration": 7}, rank=0, world=1,
+                            write_weights=lambda folder: (folder / "lora").mkdir() or (folder / "lora" / "w").write_bytes(b"w"))  # fmt: skip
+    tmp = final.with_name(final.name + ".tmp").absolute()
+    at = events.index(("rename", tmp))
+    synced = {path for kind, path in events[:at] if kind == "fsync"}
+    written = {tmp / p.relative_to(final) for p in final.rglob("*")} | {tmp}
+    assert len(written) == 10 and written <= synced, sorted(written - synced)
+    assert ("fsync", final.parent.absolute()) in events[at:]
+
+
 def test_load_restores_the_engine_every_rng_and_the_state(tmp_path):
     engine = FileEngine(3.5)
     random.seed(1)

@@ -63,6 +63,18 @@ def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
     assert path.read_text() == "iteration,reward\n" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names the synced files through /proc")
+def test_a_file_written_whole_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    from stepfast.files import write_atomically
+
+    events = []
+    fsync, replace = os.fsync, Path.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    monkeypatch.setattr(Path, "replace", lambda self, target: events.append("replace") or replace(self, target))
+    write_atomically(tmp_path / "eval.json", lambda tmp: tmp.write_text("{}"))
+    assert events == [str(tmp_path / "eval.json.tmp"), "replace", str(tmp_path)]
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_folder_whose_permission_bits_allow_writing_but_which_refuses_it_is_named():
     """/proc passes os.access for root, yet nothing can be created in it: found out at the check, not

@@ -1,6 +1,8 @@
 """The metrics log on resume: rows past the checkpoint are dropped and the file rewritten, from the rows
 the trainer read at start (checked there, before the model loads) without reading the file again."""
 
+import os
+
 import pytest
 
 from stepfast import metrics
@@ -87,3 +89,17 @@ def test_a_row_cut_short_by_a_kill_is_left_out_and_a_row_of_other_length_is_name
         read_logged(path)
     path.write_text("iteration,reward,loss\n1,,0.1\n")  # a column not logged that iteration
     assert read_logged(path) == [{"iteration": 1, "reward": "", "loss": 0.1}]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names the synced files through /proc")
+def test_sync_flushes_the_appended_rows_to_disk(tmp_path, monkeypatch):
+    """The trainer syncs metrics.csv before each checkpoint: its rows are on disk when the checkpoint is."""
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.log(1, {"reward": 0.5})
+    logger.log(2, {"reward": 0.25})  # appended, not rewritten
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    logger.sync()
+    assert synced == [str(tmp_path / "metrics.csv")]
+    logger.close()
