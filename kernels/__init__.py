@@ -12,7 +12,12 @@ forced per process with STEPFAST_KERNELS=torch|cpp|triton or per call with backe
 # Hugging Face kernels package, and transformers imports `kernels` to probe for it. Under that name
 # the package stays empty: it registers nothing (the torch.library ops are registered once, by
 # stepfast.kernels) and transformers concludes, rightly, that the Hugging Face package is absent.
-if __name__ == "stepfast.kernels":
+# Its submodules cannot be imported under it either (`from kernels import sde_logprob` would bind the
+# Triton op module, and `kernels.dispatch` would register the ops a second time): import
+# stepfast.kernels.
+if __name__ != "stepfast.kernels":
+    __path__ = []
+else:
     # The Triton op modules are named after the ops (sde_step.py, sde_logprob.py). Importing a
     # submodule binds its name on this package, so they are imported before the functions of the same
     # name, which then stay what `stepfast.kernels.sde_logprob` means. Without triton there is no such

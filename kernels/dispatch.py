@@ -67,8 +67,14 @@ def select_backend(device: torch.device | str, backend: str | None = None) -> st
         source = "backend=" if backend else f"${ENV_VAR}"
         raise ValueError(f"unknown kernel backend {choice!r} (from {source}): expected one of {', '.join(BACKENDS)}")
     if choice is None:
-        if device.type == "cuda" and _triton_import_error() is None:
-            return "triton"
+        if device.type == "cuda":
+            if _triton_import_error() is None:
+                return "triton"
+            _warn_once(
+                f"stepfast: triton is not importable ({_triton_import_error()}); the SDE ops on CUDA run as the "
+                "unfused torch reference. Install triton for the fused kernels"
+            )
+            return "torch"
         if device.type == "cpu":
             choice = "cpp"
         else:
@@ -164,11 +170,14 @@ def _cached_table(kind, t_key, s_key, layout, check_std, params, device, check_k
         _, dtype, shape, values = key
         return torch.tensor(values, dtype=dtype).reshape(shape)
 
-    table = step_coefficients(
-        kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, check_kl=check_kl,
-        **dict(params),
-    )
-    return table.to(device)
+    # a normal tensor even when the first call came under torch.inference_mode(): an inference tensor
+    # in the cache could not be saved for backward by a later training call at the same times
+    with torch.inference_mode(False):
+        table = step_coefficients(
+            kind, value(t_key), value(s_key), *layout, torch.device("cpu"), check_std=check_std, check_kl=check_kl,
+            **dict(params),
+        )
+        return table.to(device)
 
 
 def _kernel_input(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,10 +221,12 @@ def sde_step_with_logprob(
     """
     _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size)
     patch_size = int(patch_size) if reduce == "tokens" else patch_size  # a numpy integer works too
-    if torch.is_grad_enabled() and any(_requires_grad(u) for u in (x_t, v, noise, t, s)):
+    asked = [n for n, u in {"x_t": x_t, "v": v, "noise": noise, "t": t, "s": s}.items() if _requires_grad(u)]
+    if torch.is_grad_enabled() and asked:
         raise RuntimeError(
-            "sde_step_with_logprob is the rollout op and has no gradient: call it under torch.no_grad() "
-            "(sde_logprob is the differentiable training-side op)"
+            f"sde_step_with_logprob is the rollout op and has no gradient, but {' and '.join(asked)} "
+            f"require{'s' if len(asked) == 1 else ''} one: call it under torch.no_grad() (sde_logprob is the "
+            "differentiable training-side op)"
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":
@@ -271,10 +282,12 @@ def sde_logprob(
     if kind == "ode":
         raise ValueError("an 'ode' step is deterministic: it has no log-probability and no KL (see sde.degenerate_steps)")
     grad = torch.is_grad_enabled()
-    if grad and any(_requires_grad(u) for u in (x_t, sample, t, s)):
+    asked = [n for n, u in {"x_t": x_t, "sample": sample, "t": t, "s": s}.items() if _requires_grad(u)]
+    if grad and asked:
         raise RuntimeError(
-            "sde_logprob is differentiable w.r.t. v and v_ref only; x_t, sample and the times t, s are "
-            "stored rollout values: detach them"
+            f"sde_logprob is differentiable w.r.t. v and v_ref only, but {' and '.join(asked)} "
+            f"require{'s' if len(asked) == 1 else ''} grad; x_t, sample and the times t, s are stored rollout "
+            "values: detach them"
         )
     name = select_backend(x_t.device, backend)
     if name == "torch":

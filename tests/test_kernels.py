@@ -385,8 +385,13 @@ def test_no_grad_forward_equals_grad_forward():
 def test_errors_name_the_problem(backend):
     inp = make_inputs("ddim", "mean_prime")
     x, v, smp = inp["x_t"], inp["v"], inp["sample"]
-    with pytest.raises(ValueError, match="deterministic step"):  # ddim at t = 1 has std 0
+    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\): "):  # ddim at t = 1 has std 0
         sde_logprob("ddim", x, v, 1.0, 0.9, smp, backend=backend)
+    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\) at sample 1 of 3: "):  # per-sample times
+        sde_logprob("ddim", x, v, torch.tensor([0.6, 1.0, 0.5]), torch.tensor([0.4, 0.9, 0.3]), smp, backend=backend)
+    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\) at samples 0, 2 of 3: "), torch.no_grad():
+        sde_step_with_logprob("ddim", x, v, torch.tensor([1.0, 0.6, 0.5]), torch.tensor([0.9, 0.4, 0.0]),
+                              inp["noise"], backend=backend)  # fmt: skip
     with pytest.raises(ValueError, match="deterministic step"):
         with torch.no_grad():
             sde_step_with_logprob("ddim", x, v, 1.0, 0.9, inp["noise"], backend=backend)
@@ -473,11 +478,35 @@ def test_bad_times_parameters_and_gradients_are_named_on_every_backend(backend):
         with pytest.raises(ValueError, match=rf"patch_size.*a whole number >= 1, got {patch!r}"):
             sde_logprob("ddim", x[:, :, :6, :10], v[:, :, :6, :10], 0.5, 0.4, smp[:, :, :6, :10],
                         reduce="tokens", patch_size=patch, backend=backend)  # fmt: skip
-    with pytest.raises(RuntimeError, match="no gradient"):
+    with pytest.raises(RuntimeError, match="the rollout op and has no gradient, but noise requires one"):
         sde_step_with_logprob("ddim", x, v, 0.5, 0.4, noise.clone().requires_grad_(), backend=backend)
-    with pytest.raises(RuntimeError, match="the times t, s are stored rollout values"):
+    with pytest.raises(RuntimeError, match="has no gradient, but x_t and v require one"):
+        sde_step_with_logprob("ddim", x.clone().requires_grad_(), v.clone().requires_grad_(), 0.5, 0.4, noise,
+                              backend=backend)  # fmt: skip
+    with pytest.raises(RuntimeError, match="w.r.t. v and v_ref only, but t requires grad; .* the times t, s are stored"):
         sde_logprob("ddim", x, v.clone().requires_grad_(), torch.full((3,), 0.5, requires_grad=True), 0.4, smp,
                     backend=backend)  # fmt: skip
+    with pytest.raises(RuntimeError, match="w.r.t. v and v_ref only, but sample requires grad"):
+        sde_logprob("ddim", x, v, 0.5, 0.4, smp.clone().requires_grad_(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_a_rollout_under_inference_mode_leaves_training_at_the_same_times_working(backend):
+    """The coefficient table is cached by times: one first built under torch.inference_mode() (a
+    rollout there) must not be an inference tensor, which a later training call at the same times
+    could not save for backward."""
+    dispatch._cached_table.cache_clear()
+    inp = make_inputs("ddim", "mean_prime")
+    x, v, noise = inp["x_t"], inp["v"], inp["noise"]
+    t, s = 0.7173, 0.5123  # times no other test uses: this call builds the table
+    with torch.inference_mode():
+        sample, _ = sde_step_with_logprob("ddim", x, v, t, s, noise, backend=backend)
+    sample = sample.clone()
+    v = v.clone().requires_grad_()
+    log_prob, _ = sde_logprob("ddim", x, v, t, s, sample, backend=backend)
+    log_prob.sum().backward()
+    expected = torch.autograd.grad(sde_logprob("ddim", x, v, t, s, sample, backend="torch").log_prob.sum(), v)[0]
+    torch.testing.assert_close(v.grad, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
@@ -566,7 +595,27 @@ def test_select_backend(monkeypatch):
     monkeypatch.setattr(dispatch, "_triton_import_error", lambda: None)
     assert select_backend("cuda") == "triton" and select_backend("meta") == "torch"
     monkeypatch.setattr(dispatch, "_triton_import_error", lambda: "No module named 'triton'")
-    assert select_backend("cuda") == "torch"
+    dispatch._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"triton is not importable \(No module named 'triton'\); the SDE ops on CUDA"):
+        assert select_backend("cuda") == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert select_backend("cuda") == "torch"
+
+
+def test_the_readmes_kernel_example_runs_and_prints_what_it_says(capsys):
+    """The code block under README's "Fused kernels", run as it stands; its last line's comment is
+    what it prints."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Fused kernels\n\n```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md (Fused kernels)", "exec"), {})
+    expected = code.strip().splitlines()[-1].split("#")[-1].strip()
+    if not cpp_backend.AVAILABLE:
+        expected = expected.replace("cpp", "torch", 1)
+    assert capsys.readouterr().out.strip() == expected
 
 
 def test_env_var_forces_the_backend(monkeypatch):
@@ -617,6 +666,13 @@ def test_top_level_kernels_import_registers_nothing():
         "import stepfast.kernels\n"
         "import kernels\n"
         "assert kernels is not stepfast.kernels and not hasattr(kernels, 'sde_logprob')\n"
+        "for name in ('sde_logprob', 'dispatch'):\n"  # the Triton op module, the ops registered again
+        "    try:\n"
+        "        exec(f'from kernels import {name}')\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(name)\n"
         "import transformers.utils.import_utils as u\n"
         "assert not u.is_kernels_available()\n"
         "print('ok')"
