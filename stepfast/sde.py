@@ -135,6 +135,20 @@ KL_OF_A_DETERMINISTIC_STEP = (
 )
 
 
+def deterministic_step_error(std: torch.Tensor) -> str:
+    """The error for a Gaussian log-probability of a step with std = 0, naming the samples (of
+    per-sample times) whose std it is when not all of them."""
+    where = ""
+    zero = (std.reshape(-1) <= 0).nonzero().reshape(-1).tolist()
+    if len(zero) < std.numel():
+        shown = ", ".join(map(str, zero[:8])) + (", ..." if len(zero) > 8 else "")
+        where = f" at sample{'s' if len(zero) > 1 else ''} {shown} of {std.numel()}"
+    return (
+        f"log_prob of a deterministic step (std = 0){where}: such a step carries no log-probability "
+        "(see stepfast.sde.degenerate_steps)"
+    )
+
+
 def kl_sigma(kind: str, t, s, **params) -> torch.Tensor:
     """The std that the KL penalty divides by: the step's std WITHOUT the sqrt(t - s) of flow_sde.
 
@@ -236,10 +250,7 @@ def log_prob(
     if convention == "gaussian":
         std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
         if not torch.compiler.is_compiling() and bool((std <= 0).any()):  # a traced call cannot read it
-            raise ValueError(
-                "log_prob of a deterministic step (std = 0): such a step carries no log-probability "
-                "(see stepfast.sde.degenerate_steps)"
-            )
+            raise ValueError(deterministic_step_error(std))
         elem = -sq / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     else:
         elem = -sq
@@ -294,14 +305,16 @@ def sd3_time_grid(num_steps: int, shift: float = 3.0, num_train_timesteps: int =
 
 
 def degenerate_steps(kind: str, grid: torch.Tensor, threshold: float = DEGENERATE_STD, **params) -> torch.Tensor:
-    """Bool [N]: which steps grid[j] -> grid[j + 1] are deterministic (std below `threshold`).
+    """Bool [N]: which steps grid[j] -> grid[j + 1] are deterministic (std below `threshold`, or 0
+    whatever the threshold: a `threshold` of 0 leaves out only the steps with no noise at all).
 
     Such a step carries no log-probability and no policy-gradient loss; its reward gain still counts
     in the normalisation statistics of the credit estimators. Under `ddim`, std = 0 at t = 1 and
     std ~ 0 at s ~ 0; under `cps`, std = 0 at s = 0; every `ode` step is deterministic.
     """
     grid = torch.as_tensor(grid, dtype=torch.float32)
-    return step_std(kind, grid[:-1], grid[1:], **params) < threshold
+    std = step_std(kind, grid[:-1], grid[1:], **params)
+    return (std < threshold) | (std <= 0)
 
 
 def stochastic_steps(

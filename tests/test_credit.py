@@ -198,3 +198,27 @@ def test_the_credits_the_config_refuses_for_groups_of_one_give_them_no_advantage
     rewards = torch.rand(3, 1, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     silent = {name for name in ESTIMATORS if not compute_advantages(name, rewards).any()}
     assert silent == set(GROUP_RELATIVE_CREDITS)
+
+
+def test_a_deterministic_steps_gain_counts_in_the_statistics_of_the_trained_steps():
+    """METHOD: a step under sde.min_std carries no loss, but its reward gain still counts in the
+    normalisation statistics. With ddim on the default preset's grid, steps 0, 8 and 9 are not
+    trained; the advantages the update reads at the trained steps are the joint normalisation over
+    all ten steps' gains, not over the trained steps' alone."""
+    from stepfast import grpo
+    from stepfast.config import load_config
+
+    cfg = load_config("default", ["rollout.groups=2", "rollout.group_size=3"])
+    trained = grpo.trained_steps(cfg)
+    assert trained == list(range(1, 8))
+    g = torch.Generator().manual_seed(7)
+    rewards = torch.rand(2 * 3, 11, generator=g, dtype=torch.float64)
+    rewards[:, 1] += torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.0], dtype=torch.float64)  # large gains at step 0
+    adv = grpo.advantages(rewards.float(), cfg)[:, trained].double()
+    gains = (rewards[:, 1:] - rewards[:, :-1]).reshape(2, 3, 10)
+    mean, std = gains.mean(dim=(1, 2), keepdim=True), gains.std(dim=(1, 2), unbiased=False, keepdim=True)
+    joint = ((gains - mean) / (std + 1e-4)).clamp(-5, 5).reshape(6, 10)[:, trained]
+    torch.testing.assert_close(adv, joint, rtol=1e-5, atol=1e-5)
+    part = gains[..., trained]
+    alone = ((part - part.mean(dim=(1, 2), keepdim=True)) / (part.std(dim=(1, 2), unbiased=False, keepdim=True) + 1e-4))
+    assert (adv - alone.reshape(6, -1)).abs().max() > 0.1  # the statistics of the trained steps alone differ

@@ -164,6 +164,25 @@ def test_degenerate_steps():
     assert cps[-1] and not any(cps[:-1])
     assert all(sde.degenerate_steps("ode", grid).tolist())
     assert not any(sde.degenerate_steps("flow_sde", grid).tolist())
+    # a threshold of 0 (sde.min_std=0) still leaves out the steps with no noise at all
+    assert sde.degenerate_steps("ddim", grid, threshold=0.0).tolist() == ddim
+    assert sde.degenerate_steps("cps", grid, threshold=0.0).tolist() == cps
+    assert all(sde.degenerate_steps("ode", grid, threshold=0.0).tolist())
+
+
+@pytest.mark.parametrize("kind", ["ddim", "cps"])
+def test_a_rollout_with_min_std_zero_leaves_out_only_the_noiseless_steps(kind):
+    """sde.min_std=0 is a valid setting: the steps of std 0 are ODE steps with no log-probability (it
+    raised 'log_prob of a deterministic step'), every other step is trained."""
+    from stepfast.rollout import sample_trajectory
+
+    grid = sde.sd3_time_grid(10)
+    g = torch.Generator().manual_seed(1)
+    x_init, noise = torch.randn(3, 2, 5, generator=g), torch.randn(10, 3, 2, 5, generator=g)
+    traj = sample_trajectory(lambda x, t: torch.cos(x) - t[:, None, None], x_init, grid, kind, noise=noise, min_std=0.0)
+    stds = sde.step_std(kind, grid[:-1], grid[1:]).tolist()
+    assert traj.trained.tolist() == [std > 0 for std in stds] and 0 < traj.trained.sum() < 10
+    assert all(not traj.log_probs[j].any() for j in range(10) if not traj.trained[j])
 
 
 def test_kl_sigma_drops_sqrt_dt_for_flow_sde_only():
