@@ -22,6 +22,17 @@ namespace stepfast {
 // Columns of the [B, kNumCoefs] float32 table (kernels/coefficients.py keeps the same order).
 enum Coef : int64_t { CA = 0, CB, STD, LP_SCALE, LP_CONST, KL_SCALE, GLP, GKL, kNumCoefs };
 
+// The per-chunk loops are compiled twice, for AVX2 and for the x86-64 baseline (SSE2), and the
+// loader picks one per process from the CPU it runs on (GCC/Clang function multiversioning): the
+// baseline alone is compute-bound at half a copy's bandwidth. Both clones round alike element by
+// element (no FMA: -ffp-contract=off); a chunk's float32 sum is in the clone's vector order, the same
+// for the step op and the log-prob op, so their log-probs agree bit for bit on any one machine.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define STEPFAST_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define STEPFAST_SIMD_CLONES
+#endif
+
 // Elements per chunk: a few float32 buffers of this size fit in L1 beside the streams.
 constexpr int64_t kChunk = 1024;
 

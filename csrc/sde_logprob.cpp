@@ -25,7 +25,7 @@ struct Sums {
 };
 
 template <bool TOKENS, bool KL, bool SAVE>
-inline Sums logprob_chunk(const float* x, const float* v, const float* s, const float* vr, float* res, float* dvo,
+STEPFAST_SIMD_CLONES Sums logprob_chunk(const float* x, const float* v, const float* s, const float* vr, float* res, float* dvo,
                           float* sq, int64_t n, float ca, float cb) {
   float acc = 0.f, acck = 0.f;
 #pragma omp simd reduction(+ : acc, acck)
@@ -155,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sde_logprob_cpu(
 // grad_v = alpha d + beta dv (alpha per element from g_lp glp, per sample or per patch), grad_vr = -beta dv.
 // alpha: one value a0 for the chunk (per-sample reduce) or one per element (TOKENS).
 template <bool LP, bool KL, bool VR, bool TOKENS>
-inline void backward_chunk(const float* alpha, float a0, const float* d, const float* dv, float beta, float* gv,
+STEPFAST_SIMD_CLONES void backward_chunk(const float* alpha, float a0, const float* d, const float* dv, float beta, float* gv,
                            float* gr, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {

@@ -16,7 +16,7 @@ namespace {
 
 // sample[i] = mean + std z; returns sum (sample - mean)^2, or stores the squares in sq (tokens).
 template <bool TOKENS>
-inline float step_chunk(const float* x, const float* v, const float* z, float* out, float* sq, int64_t n,
+STEPFAST_SIMD_CLONES float step_chunk(const float* x, const float* v, const float* z, float* out, float* sq, int64_t n,
                         float ca, float cb, float sd) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
