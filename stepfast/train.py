@@ -375,13 +375,14 @@ class Trainer:
         """The held-out prompts (eval.prompts' `records`), the images to draw of them, and their
         reward, checked."""
         cfg = self.cfg
-        metas = [r.metadata or {"prompt": r.prompt} for r in records]
-        # each record's line, for errors: spread_over_categories picks among these same dicts
-        line_of = {id(meta): record.line for meta, record in zip(metas, records)}
-        metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
         reward = build_eval_reward(cfg, self.device, self.reward)
-        check_prompts(reward, [PromptRecord(m["prompt"], m, line_of[id(m)]) for m in metas], "eval.prompts",
-                      cfg.eval.prompts)  # fmt: skip
+        check_prompts(reward, records, "eval.prompts", cfg.eval.prompts)
+        # plain prompts (a .txt file) get the record the reward scores them against where it parses
+        # them (ShapeEval's), with its category: spread over categories and seeds as `stepfast.evaluate`
+        # spreads the same file
+        parse = getattr(reward, "record", None)
+        metas = [r.metadata or (dict(parse(r.prompt)) if parse else {"prompt": r.prompt}) for r in records]
+        metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
         return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward)
 

@@ -544,3 +544,27 @@ def test_lora_weights_may_be_a_pickled_bin_file(tmp_path):
     assert lora_weights_file(weights) == weights
     with pytest.raises(FileNotFoundError):
         lora_weights_file(tmp_path / "missing.bin")
+
+
+def test_the_trainer_spreads_a_txt_file_of_eval_prompts_as_evaluate_does(tmp_path):
+    """eval.prompts given as a .txt file of ShapeEval prompts: the trainer's held-out plan (the
+    prompts over categories, the seeds per category) is the one `stepfast.evaluate` makes of the same
+    file. It treated the file as one category (256 images against 349, two categories left out)."""
+    import random
+    from types import SimpleNamespace
+
+    from stepfast.config import load_config
+    from stepfast.data.prompts import load_prompts
+    from stepfast.train import Trainer
+
+    texts = [m["prompt"] for m in load_metadata("test")]
+    random.Random(0).shuffle(texts)
+    path = tmp_path / "test_prompts.txt"
+    path.write_text("\n".join(texts) + "\n")
+    cfg = load_config("default", [f"eval.prompts={path}"])
+    fake = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), reward=None, world=1)
+    setup = Trainer._eval_setup(fake, load_prompts(path))
+    metas = heldout.spread_over_categories(ev.read_prompts(str(path)), cfg.eval.limit)
+    plan = heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images)
+    assert setup.metadata == metas and setup.plan == plan
+    assert len(plan) == 349 and len({m["tag"] for m in metas}) == 6
