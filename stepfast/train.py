@@ -187,11 +187,13 @@ class Trainer:
         if not self.cfg.rollout.balance_categories:
             return None
         for record in self.prompts:
-            if not (record.metadata or {}).get("tag"):
+            tag = (record.metadata or {}).get("tag")
+            if not tag or not isinstance(tag, str):
+                has = "none" if not tag else f"{tag!r}, which is not text"
                 raise ConfigError(
                     f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
                     f"*_metadata.jsonl); line {record.line} of {resolve_prompt_file(self.cfg.rollout.prompts)} "
-                    f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
+                    f"({record.prompt!r}) has {has} (rollout.balance_categories=false balances none)"
                 )
         return [record.metadata["tag"] for record in self.prompts]
 

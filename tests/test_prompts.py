@@ -105,3 +105,33 @@ def test_unknown_suffix_and_unknown_named_set(tmp_path):
     assert str(path) in message and ".txt" in message and ".jsonl" in message
     assert "shapeeval:train" in _error("shapeeval:validation")
     assert "directory" in _error(tmp_path)
+
+
+@pytest.mark.parametrize("data", [b"a red circle\rtwo blue squares\r", b"a red circle\r\ntwo blue squares\n",
+                                  b"a red circle\ntwo blue squares"])  # fmt: skip
+def test_lines_end_as_in_text_mode(tmp_path, data):
+    """CR-only (old Mac), CRLF and LF line ends, as Python's text mode reads them (and Flow-GRPO): a
+    lone CR had made one prompt of two."""
+    path = tmp_path / "x.txt"
+    path.write_bytes(data)
+    assert [(r.prompt, r.line) for r in load_prompts(path)] == [("a red circle", 1), ("two blue squares", 2)]
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_bytes(b'{"prompt": "a"}\r\r{"prompt": "b"}\r')
+    assert [(r.prompt, r.line) for r in load_prompts(jsonl)] == [("a", 1), ("b", 3)]
+
+
+def test_a_byte_order_mark_inside_the_file_names_its_line(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"\xef\xbb\xbfa red circle\n\xef\xbb\xbftwo blue squares\n")  # two files joined
+    assert _error(path).startswith(f"{path}:2: starts with a byte order mark (U+FEFF)")
+
+
+def test_a_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "x.txt"
+    path.write_text("a red circle\n")
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(path), "read_bytes", refused)
+    assert _error(path) == f"cannot read prompt file {path}: Permission denied"

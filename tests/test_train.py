@@ -1027,6 +1027,22 @@ def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     assert f"line 3 of {prompts} ('a photo of a square') has none" in proc.stderr  # its line, not its count
 
 
+@pytest.mark.parametrize("tag, has", [(1, "has 1, which is not text"), (["colors"], "has ['colors'], which is not text"),
+                                      ("", "has none")])  # fmt: skip
+def test_a_tag_that_is_not_text_is_named_by_its_line(tmp_path, tag, has):
+    """Balancing sorts the categories: a tag of another type raised a TypeError naming no line."""
+    from types import SimpleNamespace
+
+    from stepfast.train import Trainer
+
+    prompts = tmp_path / "prompts_metadata.jsonl"
+    prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n'
+                       + json.dumps({"prompt": "a photo of a square", "tag": tag}) + "\n")  # fmt: skip
+    cfg = load_config("default", [f"rollout.prompts={prompts}"])
+    with pytest.raises(ConfigError, match=re.escape(f"line 2 of {prompts} ('a photo of a square') {has} (")):
+        Trainer._strata(SimpleNamespace(cfg=cfg, prompts=load_prompts(prompts)))
+
+
 def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp_path):
     config, base_out = baseline
     out = tmp_path / "run"

@@ -12,6 +12,7 @@ Bad input raises an error that names the file, the line and what is wrong.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,14 +41,23 @@ def resolve_prompt_file(path_or_name: str | Path) -> Path:
 
 
 def numbered_lines(path: Path):
-    """(line number, text) of each line, decoding line by line so a bad byte names its line; a byte
-    order mark opening the file (as some Windows editors save UTF-8) is not part of its first line."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    """(line number, text) of each line, decoding line by line so a bad byte names its line. Lines end
+    at "\n", "\r\n" or "\r" (Python's text mode, which Flow-GRPO reads its files in); a byte order
+    mark opening the file (as some Windows editors save UTF-8) is not part of its first line, and one
+    opening a later line (files joined together) is an error naming it."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    for number, raw in enumerate(re.split(rb"\r\n|\r|\n", data), start=1):
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if text.startswith("\ufeff"):
+            raise ValueError(f"{path}:{number}: starts with a byte order mark (U+FEFF), which only a file's "
+                             "first line may: were files joined together? Remove it")  # fmt: skip
+        yield number, text
 
 
 def _read_txt(path: Path) -> list[PromptRecord]:
@@ -76,7 +86,11 @@ def _read_jsonl(path: Path) -> list[PromptRecord]:
 def load_prompts(path_or_name: str | Path) -> list[PromptRecord]:
     """The prompts of a `.txt` or GenEval `.jsonl` file, or of a named set ("shapeeval:train")."""
     path = resolve_prompt_file(path_or_name)
-    if not path.exists():
+    try:
+        found = path.exists()
+    except OSError as exc:  # under a folder that may not be searched
+        raise ValueError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if not found:
         raise FileNotFoundError(f"prompt file {path} does not exist")
     if path.is_dir():
         raise ValueError(f"prompt file {path} is a directory; expected a .txt or .jsonl file")
