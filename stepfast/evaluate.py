@@ -36,7 +36,8 @@ from stepfast.models import (
     load_transformer,
     lora_weights_file,
 )
-from stepfast.policy import check_resolution
+from stepfast.policy import check_resolution, quiet_truncation_notices
+from stepfast.startup import cut_prompt_warning
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.transformer:
         check_transformer_dir(args.transformer)
     pipe = load_pipeline(args.model, device=device)
+    warning = cut_prompt_warning(pipe, [m["prompt"] for m in metadata], f"--prompts {args.prompts}")
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    quiet_truncation_notices()
     if args.lora:
         load_lora(pipe, args.lora)
     if args.transformer:

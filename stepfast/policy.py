@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,48 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
     else:
         transformer.requires_grad_(True)
     return pipe
+
+
+def token_limits(pipe) -> dict[str, int]:
+    """The tokens each of the pipeline's text encoders takes of a prompt, by tokenizer attribute:
+    CLIP's model_max_length (77 for SD3.5), T5's `text_length` (diffusers' max_sequence_length)."""
+    limits = {}
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        tokenizer = getattr(pipe, name, None)
+        if tokenizer is not None:
+            limits[name] = text_length(pipe) if name == "tokenizer_3" else int(tokenizer.model_max_length)
+    return limits
+
+
+def cut_prompts(pipe, prompts: list[str]) -> list[int]:
+    """The positions of the prompts that some text encoder of `pipe` takes only the start of (their
+    tokens past its limit, `token_limits`, are dropped when they are encoded, as diffusers encodes)."""
+    cut = set()
+    for name, limit in token_limits(pipe).items():
+        ids = getattr(pipe, name)(list(prompts), verbose=False)["input_ids"]  # no warning per long prompt
+        cut.update(i for i, tokens in enumerate(ids) if len(tokens) > limit)
+    return sorted(cut)
+
+
+class _TruncationNotices(logging.Filter):
+    """Drops diffusers' notice, logged at every encoding of a prompt it cuts (and transformers' about
+    the same prompt's token count), once the prompts were checked at start (`cut_prompts`): a run
+    would print them at every iteration."""
+
+    NOTICES = ("was truncated because", "Token indices sequence length is longer than the specified maximum")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(notice in record.getMessage() for notice in self.NOTICES)
+
+
+def quiet_truncation_notices() -> None:
+    """Installs `_TruncationNotices` on the loggers of diffusers' SD3 pipeline and of transformers'
+    tokenizers (once)."""
+    for name in ("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
+                 "transformers.tokenization_utils_base"):  # fmt: skip
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _TruncationNotices) for f in log.filters):
+            log.addFilter(_TruncationNotices())
 
 
 @torch.no_grad()

@@ -58,6 +58,26 @@ def build_eval_reward(cfg, device: torch.device, train_reward=None):
                           f"{' '.join(str(exc).split())}") from exc  # fmt: skip
 
 
+def cut_prompt_warning(pipe, texts: list[str], where: str, line_of=None) -> str | None:
+    """A warning when some of `texts` are longer than a text encoder of `pipe` takes: they are cut
+    there when encoded (as diffusers encodes them, Flow-GRPO's runs included) while the reward scores
+    the whole prompt. `where`: the setting or option that names them; `line_of(i)`: where prompt i is
+    (`path:line`), for the first one cut."""
+    from stepfast.policy import cut_prompts, token_limits
+
+    cut = cut_prompts(pipe, texts) if texts else []
+    if not cut:
+        return None
+    limits = {("T5" if name == "tokenizer_3" else "CLIP"): limit for name, limit in token_limits(pipe).items()}
+    first = cut[0]
+    at = f"{line_of(first)} " if line_of else ""
+    return (
+        f"{where}: {len(cut)} of {len(texts)} prompts are longer than the text encoders take "
+        f"({', '.join(f'{k} {v}' for k, v in limits.items())} tokens) and are cut there when encoded, while "
+        f"the reward scores the whole prompt; the first: {at}{texts[first]!r}"
+    )
+
+
 def check_prompts(reward, records: list[PromptRecord], setting: str, source: str) -> None:
     """A ConfigError naming the file and line of a prompt that `reward` (if it can check prompts)
     could not score: found at start, not after the first images are drawn. `setting`: the key that

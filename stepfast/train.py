@@ -37,7 +37,8 @@ from stepfast.files import write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
-    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, save_lora, save_transformer,
+    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, quiet_truncation_notices, save_lora,
+    save_transformer,
 )
 from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
@@ -47,7 +48,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers,
+    check_servers, cut_prompt_warning,
 )
 
 
@@ -105,6 +106,7 @@ class Trainer:
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         check_resolution(self.pipe, cfg.rollout.resolution, "rollout.resolution")  # before anything is written
+        self._say_cut_prompts(prompts.eval if cfg.eval.enabled else [])
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)
@@ -181,6 +183,19 @@ class Trainer:
         print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
         for warning in config_warnings(cfg, steps):
             print(f"stepfast: warning: {warning}", file=sys.stderr)
+
+    def _say_cut_prompts(self, eval_records: list[PromptRecord]) -> None:
+        """Warns once about the train and eval prompts the text encoders cut, and drops the notices
+        diffusers would log about them at every encoding."""
+        if self.main:
+            for setting, source, records in (("rollout.prompts", self.cfg.rollout.prompts, self.prompts),
+                                             ("eval.prompts", self.cfg.eval.prompts, eval_records)):  # fmt: skip
+                path = resolve_prompt_file(source)
+                warning = cut_prompt_warning(self.pipe, [r.prompt for r in records], setting,
+                                             lambda i, records=records, path=path: f"{path}:{records[i].line}")  # fmt: skip
+                if warning:
+                    print(f"stepfast: warning: {warning}", file=sys.stderr)
+        quiet_truncation_notices()
 
     def _strata(self) -> list[str] | None:
         """The category of each prompt when rollout.balance_categories is on."""

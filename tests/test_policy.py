@@ -140,3 +140,34 @@ def test_an_image_decodes_alike_however_many_are_decoded_with_it(tmp_path):
         decode(pipe, latents, batch_size=0)
     with pytest.raises(ValueError, match="no latents"):
         decode(pipe, latents[:0])
+
+
+LONG = "a photo of a red circle next to a green square above a blue triangle and two yellow circles"
+
+
+def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(tmp_path, capfd):
+    """A prompt longer than a text encoder takes is found at start (the embedded model's encoders
+    take 12 tokens); the trainer warns once, naming its line, and diffusers' notice, logged at every
+    encoding of it, is dropped after that."""
+    from types import SimpleNamespace
+
+    from stepfast.config import load_config
+    from stepfast.data.prompts import load_prompts
+    from stepfast.models import EMBEDDED_MODEL
+    from stepfast.policy import cut_prompts, token_limits
+    from stepfast.train import Trainer
+
+    pipe = load_pipeline(EMBEDDED_MODEL)
+    assert token_limits(pipe) == {"tokenizer": 12, "tokenizer_2": 12, "tokenizer_3": 12}
+    assert cut_prompts(pipe, ["a photo of a red circle", LONG, "a photo of a square"]) == [1]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"a photo of a red circle\n\n{LONG}\n")
+    cfg = load_config("default", [f"rollout.prompts={prompts}", "rollout.balance_categories=false"])
+    fake = SimpleNamespace(main=True, cfg=cfg, prompts=load_prompts(prompts), pipe=pipe)
+    capfd.readouterr()
+    Trainer._say_cut_prompts(fake, load_prompts("shapeeval:test"))
+    encode_prompts(pipe, [LONG, LONG], 4.5, torch.device("cpu"))
+    err = capfd.readouterr().err
+    assert err == (f"stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders take "
+                   f"(CLIP 12, T5 12 tokens) and are cut there when encoded, while the reward scores the whole "
+                   f"prompt; the first: {prompts}:3 {LONG!r}\n")  # fmt: skip
