@@ -6,13 +6,14 @@ TORCH ?= torch
 # Where pip finds torch, when not the default index (e.g. https://download.pytorch.org/whl/cpu).
 TORCH_INDEX ?=
 ARGS ?=
-# `make train` ranks: one per GPU; without CUDA, two CPU ranks. On the 2-core machine the default run
+# `make train` ranks: one per GPU; without CUDA, two CPU ranks (the launcher told so: DS_ACCELERATOR=cpu,
+# which spares its "unable to detect" warnings), the launcher quiet but for errors. On the 2-core machine the default run
 # is sized for, an iteration of 32 samples took 9.3 s as two ranks and 16.7 s as one rank on both
 # cores, on one (slower) host: the tiny model's operations are too small to spread over threads.
 # Threads per rank: the cores shared out, at least one. Override with `make train RANKS=1 THREADS=2`.
 # Both are shell expressions, evaluated once in the recipe (after .venv exists).
 RANKS ?= $$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
-THREADS ?= $$(( $$(nproc) / ranks > 0 ? $$(nproc) / ranks : 1 ))
+THREADS ?= $$(n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $$(( n / ranks > 0 ? n / ranks : 1 )))
 # `make test` workers (pytest-xdist): one per core, at most 4. Most of the suite's time is trainers
 # started as subprocesses, one thread per rank, and their imports and file I/O: on 2 cores two
 # workers took 373 s where one took 653 s. `make test WORKERS=0` runs in one process. (nproc would
@@ -35,7 +36,9 @@ test: $(STAMP)
 
 train: $(STAMP)
 	ranks=$(RANKS); threads=$(THREADS); \
-	OMP_NUM_THREADS=$$threads $(VENV)/bin/deepspeed --num_gpus $$ranks stepfast/train.py $(ARGS)
+	accelerator=$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')"); \
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$accelerator} OMP_NUM_THREADS=$$threads \
+	$(VENV)/bin/deepspeed --quiet --num_gpus $$ranks stepfast/train.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable -s

@@ -503,14 +503,21 @@ def main(argv=None) -> int:
         return 130
 
 
+def _start_error(exc: Exception) -> int:
+    """A refusal before the process group: every rank of a node reads the same config and files, so
+    the node's first rank says it (a launcher's ranks said it once each); exit 2."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"stepfast: config error: {exc}", file=sys.stderr)
+    return 2
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         check_reward_names(cfg)  # a mistyped reward is a mistyped setting, printed or not
     except ConfigError as exc:
-        print(f"stepfast: config error: {exc}", file=sys.stderr)
-        return 2
+        return _start_error(exc)
     if args.print_config:
         print(to_yaml(cfg), end="")
         for warning in config_warnings(cfg):  # those the steps trained decide need the model: at start
@@ -519,8 +526,7 @@ def _main(argv=None) -> int:
     try:  # on every rank, before the process group (and a build of its op) and the model
         prompts = check_before_start(cfg)
     except ConfigError as exc:
-        print(f"stepfast: config error: {exc}", file=sys.stderr)
-        return 2
+        return _start_error(exc)
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
     try:

@@ -21,6 +21,18 @@ def test_only_transformers_torchvision_fallback_notice_is_dropped():
     assert kept("Could not import module 'CLIPImageProcessor'")
 
 
+def test_deepspeeds_accelerator_notice_is_dropped_and_its_other_messages_kept():
+    """Without a GPU DeepSpeed warned at every start that it set its accelerator to CPU; the trainer's
+    first line says where it runs."""
+    code = ("import stepfast; from deepspeed.accelerator import get_accelerator; from deepspeed.utils import logger; "
+            "print(get_accelerator().device_name()); logger.warning('kept')")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] in ("cpu", "cuda")
+    assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr and "kept" in proc.stdout
+
+
 def test_loading_a_pipeline_module_prints_no_torchvision_notice():
     """diffusers' SD3 pipeline imports transformers' image processors: on a machine without
     torchvision the notice came on every start of the trainer and the evaluation."""

@@ -631,6 +631,18 @@ def test_unknown_config_key_suggests_the_closest(model_dir, tmp_path, start):
     assert "unknown config key 'optim.lerning_rate'" in err
 
 
+@pytest.mark.parametrize("overrides", [["optim.lerning_rate=1"], ["model.path=/nonexistent"]])
+def test_a_refusal_before_the_process_group_is_said_by_the_nodes_first_rank_alone(model_dir, tmp_path, start,
+                                                                                    monkeypatch, overrides):  # fmt: skip
+    """Under a launcher every rank reads the same config and files: the message came once per rank."""
+    config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert start(config, *overrides) == (2, "")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code, err = start(config, *overrides)
+    assert code == 2 and err.startswith("stepfast: config error: ") and err.count("\n") == 1
+
+
 @pytest.mark.skipif(Path("/models").exists() or Path("/data/pickscore").exists(), reason="the preset's paths exist")
 def test_every_path_a_preset_cannot_find_is_named_at_once(tmp_path, capsys):
     """An SD3.5 preset on a machine without its model, prompts and reward weights: one error lists
