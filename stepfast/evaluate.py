@@ -30,6 +30,7 @@ from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.models import (
     EMBEDDED_MODEL,
     check_device,
+    check_pipeline_dir,
     check_transformer_dir,
     load_lora,
     load_pipeline,
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", default="test",
                         help="train | test | shapeeval:train | shapeeval:test | *_metadata.jsonl | prompts .txt "
                              "(default: %(default)s)")
-    parser.add_argument("--seeds", type=int, default=4, help="images per prompt, seeds 0..N-1 (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=4,
+                        help="images per prompt, seeds 0..N-1, and more where --min-images asks for them "
+                             "(default: %(default)s)")
     parser.add_argument("--min-images", type=int, default=32,
                         help="more seeds for the prompts of a category with fewer images than this "
                              "(0: off; default: %(default)s)")
@@ -155,10 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
         reward.check([m.get("prompt") for m in metadata], metadata)
     except ValueError as exc:
         raise ValueError(f"--prompts {args.prompts}: {exc}") from None
-    if args.lora:
-        lora_weights_file(args.lora)  # FileNotFoundError / ValueError naming it, before the model loads
-    if args.transformer:
-        check_transformer_dir(args.transformer)
+    for flag, check in (("--lora", lora_weights_file), ("--transformer", check_transformer_dir),
+                        ("--model", check_pipeline_dir)):  # fmt: skip
+        value = getattr(args, flag[2:])
+        if value is not None:
+            try:  # before the model loads
+                check(value)
+            except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+                parser.error(f"{flag}: {exc}")
     pipe = load_pipeline(args.model, device=device)
     warning = cut_prompt_warning(pipe, [m["prompt"] for m in metadata], f"--prompts {args.prompts}")
     if warning:
@@ -180,9 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
     result["settings"].update(model=str(args.model), lora=args.lora, transformer=args.transformer,
                               prompt_source=args.prompts)  # fmt: skip
     print(heldout.markdown_table(result), end="")
+    topped_up = len(result["samples"]) > len(metadata) * args.seeds  # --min-images added seeds somewhere
     print(
-        f"{len(metadata)} prompt{'s' * (len(metadata) != 1)} x {args.seeds}+ seed{'s' * (args.seeds != 1)} "
-        f"({len(result['samples'])} images), {args.steps} steps, "
+        f"{len(metadata)} prompt{'s' * (len(metadata) != 1)} x {args.seeds}{'+' * topped_up} "
+        f"seed{'s' * (args.seeds != 1 or topped_up)} ({len(result['samples'])} image{'s' * (len(result['samples']) != 1)}), "
+        f"{args.steps} steps, "
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )
@@ -199,6 +208,9 @@ def cli(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         print(f"python -m stepfast.evaluate: error: {exc}", file=sys.stderr)  # as argparse's errors begin
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; nothing is written before the end
+        print("\npython -m stepfast.evaluate: interrupted; nothing written", file=sys.stderr)
+        return 130
     return 0
 
 

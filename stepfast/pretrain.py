@@ -33,6 +33,7 @@ import argparse
 import copy
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,5 +441,17 @@ def main(argv: list[str] | None = None) -> Path:
     return out
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m stepfast.pretrain`: main(), with Ctrl-C one line and exit status 130 (--out is
+    written whole at the end, so an interrupted run leaves it as it was)."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("\npython -m stepfast.pretrain: interrupted; --out is as it was (snapshots already written are kept)",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

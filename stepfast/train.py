@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -60,10 +61,19 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from stepfast.config import CONFIG_DIR
+
+    presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    epilog = textwrap.fill(
+        "Every key, its type and its default is in stepfast/config.py (README.md lists those set most); "
+        "--print-config shows what a preset and overrides resolve to. A run writes to output_dir "
+        "(runs/<preset> in the presets): config.yaml, metrics.csv, tensorboard/, checkpoints/, report/; "
+        "resume=auto continues its newest checkpoint."
+    )
+    p = _ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default",
-                   help="preset name in stepfast/configs, or a YAML file: its keys are set over the code's "
-                        "defaults (those of config.py, not of the default preset)")  # fmt: skip
+                   help=f"preset name ({presets}; default: %(default)s), or a YAML file: its keys are set over "
+                        "the code's defaults (those of config.py, not of the default preset)")  # fmt: skip
     p.add_argument("--print-config", action="store_true",
                    help="print the configuration the preset and overrides give, as YAML, and exit")  # fmt: skip
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher

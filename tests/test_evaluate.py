@@ -327,6 +327,7 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "| **overall** |" in printed and "| counting |" in printed
+    assert "8 prompts x 2+ seeds (24 images), 6 steps" in printed  # --min-images topped some up
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["categories"]) == set(CATEGORIES)
     assert saved["settings"]["steps"] == 6 and saved["settings"]["seeds"] == [0, 1]
@@ -355,6 +356,19 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
     # ... unless asked to replace it
     ev.main(again + ["--overwrite"])
     assert len(json.loads((out / "results.json").read_text())["samples"]) == 1  # one prompt, one seed
+    assert "1 prompt x 1 seed (1 image), 2 steps" in capsys.readouterr().out  # no top-up: no "+"
+
+
+def test_ctrl_c_in_the_evaluation_command_is_one_line(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heldout, "evaluate", interrupted)
+    proc = run_evaluate("--limit", "1", "--seeds", "1", "--steps", "1", "--out", tmp_path / "out")
+    assert proc.returncode == 130
+    assert proc.stderr.endswith("\npython -m stepfast.evaluate: interrupted; nothing written\n")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_evaluate_rejects_empty_input(tiny):
@@ -366,9 +380,9 @@ def test_evaluate_rejects_empty_input(tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--lora", "{tmp}/no_lora"], "LoRA weights {tmp}/no_lora do not exist"),
+    (["--lora", "{tmp}/no_lora"], "error: --lora: LoRA weights {tmp}/no_lora do not exist"),
     (["--prompts", "{tmp}/none_metadata.jsonl"], "prompt file {tmp}/none_metadata.jsonl does not exist"),
-    (["--model", "{tmp}/no_model"], "pipeline directory {tmp}/no_model does not exist"),
+    (["--model", "{tmp}/no_model"], "error: --model: pipeline directory {tmp}/no_model does not exist"),
 ])  # fmt: skip
 def test_evaluation_command_names_bad_input_without_a_traceback(tmp_path, args, message):
     out = tmp_path / "out"
@@ -383,7 +397,7 @@ def test_the_evaluation_command_is_its_cli():
     cmd = [sys.executable, "-m", "stepfast.evaluate", "--model", "/nonexistent/model", "--out", "/nonexistent/out"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "python -m stepfast.evaluate: error: pipeline directory /nonexistent/model does not exist" in proc.stderr
+    assert "python -m stepfast.evaluate: error: --model: pipeline directory /nonexistent/model does not exist" in proc.stderr
 
 
 def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_model_loads(tmp_path):
@@ -430,7 +444,7 @@ def assert_refused_before_the_model_loads(flag: str, path, message: str, tmp_pat
     out = tmp_path / "out"
     proc = run_evaluate(flag, str(path), "--model", str(tmp_path / "no_model"), "--out", str(out))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert message in proc.stderr and "no_model" not in proc.stderr
+    assert message in proc.stderr and f"error: {flag}" in proc.stderr and "no_model" not in proc.stderr
     assert not out.exists()
 
 

@@ -631,6 +631,19 @@ def test_unknown_config_key_suggests_the_closest(model_dir, tmp_path, start):
     assert "unknown config key 'optim.lerning_rate'" in err
 
 
+def test_help_names_the_presets_where_the_keys_are_and_what_a_run_writes(capsys):
+    from stepfast.config import CONFIG_DIR
+    from stepfast.train import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert len(presets) == 4 and f"preset name ({', '.join(presets)}; default: default)" in text
+    assert "Every key, its type and its default is in stepfast/config.py" in text and "checkpoints/" in text
+
+
 @pytest.mark.parametrize("overrides", [["optim.lerning_rate=1"], ["model.path=/nonexistent"]])
 def test_a_refusal_before_the_process_group_is_said_by_the_nodes_first_rank_alone(model_dir, tmp_path, start,
                                                                                     monkeypatch, overrides):  # fmt: skip
