@@ -7,7 +7,8 @@ TORCH ?= torch
 TORCH_INDEX ?=
 ARGS ?=
 # `make train` ranks: one per GPU; without CUDA, two CPU ranks (the launcher told so: DS_ACCELERATOR=cpu,
-# which spares its "unable to detect" warnings), the launcher quiet but for errors. On the 2-core machine the default run
+# which spares its "unable to detect" warnings), the launcher quiet but for errors where its version
+# has --quiet. On the 2-core machine the default run
 # is sized for, an iteration of 32 samples took 9.3 s as two ranks and 16.7 s as one rank on both
 # cores, on one (slower) host: the tiny model's operations are too small to spread over threads.
 # Threads per rank: the cores shared out, at least one. Override with `make train RANKS=1 THREADS=2`.
@@ -37,8 +38,9 @@ test: $(STAMP)
 train: $(STAMP)
 	ranks=$(RANKS); threads=$(THREADS); \
 	accelerator=$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')"); \
+	quiet=$$($(VENV)/bin/deepspeed --help 2>/dev/null | grep -q -e '--quiet' && echo --quiet); \
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-$$accelerator} OMP_NUM_THREADS=$$threads \
-	$(VENV)/bin/deepspeed --quiet --num_gpus $$ranks stepfast/train.py $(ARGS)
+	$(VENV)/bin/deepspeed $$quiet --num_gpus $$ranks stepfast/train.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable -s

@@ -26,8 +26,9 @@ enum Coef : int64_t { CA = 0, CB, STD, LP_SCALE, LP_CONST, KL_SCALE, GLP, GKL, k
 // loader picks one per process from the CPU it runs on (GCC/Clang function multiversioning): the
 // baseline alone is compute-bound at half a copy's bandwidth. Both clones round alike element by
 // element (no FMA: -ffp-contract=off); a chunk's float32 sum is in the clone's vector order, the same
-// for the step op and the log-prob op, so their log-probs agree bit for bit on any one machine.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+// for the step op and the log-prob op, so their log-probs agree bit for bit on any one machine (the
+// tests run the clone of the CPU they run on). Clang does not clone templates: one build there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define STEPFAST_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define STEPFAST_SIMD_CLONES

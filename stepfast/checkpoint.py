@@ -19,6 +19,7 @@ The next prune removes what a kill left.
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import re
@@ -100,7 +101,9 @@ def save(output_dir, iteration: int, engine, state: dict, rank: int, world: int,
         torch.save(state, tmp / "state.pt")
         if write_weights is not None:
             write_weights(tmp)
-    sync(tmp)  # every rank, after its own writes: on disk before COMPLETE can name them
+    _barrier(world)
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        sync(tmp)  # once per node, its ranks' files whole: on disk before COMPLETE can name them
     _barrier(world)
     if rank == 0:
         (tmp / "COMPLETE").write_text(f"{iteration}\n")

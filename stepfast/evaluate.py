@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     warning = cut_prompt_warning(pipe, [m["prompt"] for m in metadata], f"--prompts {args.prompts}")
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    quiet_truncation_notices()
+    quiet_truncation_notices(pipe)
     if args.lora:
         load_lora(pipe, args.lora)
     if args.transformer:
@@ -209,7 +209,7 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"python -m stepfast.evaluate: error: {exc}", file=sys.stderr)  # as argparse's errors begin
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; nothing is written before the end
-        print("\npython -m stepfast.evaluate: interrupted; nothing written", file=sys.stderr)
+        print("\npython -m stepfast.evaluate: interrupted (the results are written at the end)", file=sys.stderr)
         return 130
     return 0
 

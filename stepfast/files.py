@@ -12,7 +12,10 @@ from typing import Callable
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    if os.name == "nt" and path.is_dir():  # Windows opens no folder to flush; its renames are journaled
+        return
+    # Windows flushes only what it may write; elsewhere a read-only descriptor flushes the file
+    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
     try:
         os.fsync(fd)
     except OSError as exc:

@@ -101,24 +101,24 @@ def cut_prompts(pipe, prompts: list[str]) -> list[int]:
 
 
 class _TruncationNotices(logging.Filter):
-    """Drops diffusers' notice, logged at every encoding of a prompt it cuts (and transformers' about
-    the same prompt's token count), once the prompts were checked at start (`cut_prompts`): a run
-    would print them at every iteration."""
-
-    NOTICES = ("was truncated because", "Token indices sequence length is longer than the specified maximum")
+    """Drops diffusers' notice, logged at every encoding of a prompt it cuts, once the prompts were
+    checked at start (`cut_prompts`): a run would print it at every iteration."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(notice in record.getMessage() for notice in self.NOTICES)
+        return "was truncated because" not in record.getMessage()
 
 
-def quiet_truncation_notices() -> None:
-    """Installs `_TruncationNotices` on the loggers of diffusers' SD3 pipeline and of transformers'
-    tokenizers (once)."""
-    for name in ("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
-                 "transformers.tokenization_utils_base"):  # fmt: skip
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _TruncationNotices) for f in log.filters):
-            log.addFilter(_TruncationNotices())
+def quiet_truncation_notices(pipe) -> None:
+    """After `cut_prompts` has been said: drops diffusers' notice from its SD3 pipeline's logger (once),
+    and marks `pipe`'s tokenizers as having given transformers' own about a long prompt, which each
+    tokenizer gives once (the tokenizers of other models, a reward's, keep theirs)."""
+    log = logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+    if not any(isinstance(f, _TruncationNotices) for f in log.filters):
+        log.addFilter(_TruncationNotices())
+    for name in token_limits(pipe):
+        said = getattr(getattr(pipe, name), "deprecation_warnings", None)
+        if isinstance(said, dict):
+            said["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.files import PROBE_PREFIX, check_creatable_dir, sync
+from stepfast.files import PROBE_PREFIX, check_creatable_dir, sync, sync_folder
 from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
@@ -337,6 +337,7 @@ def write_pipeline(pipe, out: Path) -> None:
     if out.exists():
         out.rename(old)
     tmp.rename(out)
+    sync_folder(out.parent)
     if old.exists():
         shutil.rmtree(old)
 
@@ -442,13 +443,12 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`python -m stepfast.pretrain`: main(), with Ctrl-C one line and exit status 130 (--out is
-    written whole at the end, so an interrupted run leaves it as it was)."""
+    """`python -m stepfast.pretrain`: main(), with Ctrl-C one line and exit status 130."""
     try:
         main(argv)
     except KeyboardInterrupt:
-        print("\npython -m stepfast.pretrain: interrupted; --out is as it was (snapshots already written are kept)",
-              file=sys.stderr)  # fmt: skip
+        print("\npython -m stepfast.pretrain: interrupted (--out is replaced only once the new model is written "
+              "whole; snapshots written so far are kept)", file=sys.stderr)  # fmt: skip
         return 130
     return 0
 

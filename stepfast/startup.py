@@ -60,8 +60,7 @@ def build_eval_reward(cfg, device: torch.device, train_reward=None):
 
 def cut_prompt_warning(pipe, texts: list[str], where: str, line_of=None) -> str | None:
     """A warning when some of `texts` are longer than a text encoder of `pipe` takes: they are cut
-    there when encoded (as diffusers encodes them, Flow-GRPO's runs included) while the reward scores
-    the whole prompt. `where`: the setting or option that names them; `line_of(i)`: where prompt i is
+    there when encoded (as diffusers encodes them, Flow-GRPO's runs included). `where`: the setting or option that names them; `line_of(i)`: where prompt i is
     (`path:line`), for the first one cut."""
     from stepfast.policy import cut_prompts, token_limits
 
@@ -73,8 +72,8 @@ def cut_prompt_warning(pipe, texts: list[str], where: str, line_of=None) -> str 
     at = f"{line_of(first)} " if line_of else ""
     return (
         f"{where}: {len(cut)} of {len(texts)} prompts are longer than the text encoders take "
-        f"({', '.join(f'{k} {v}' for k, v in limits.items())} tokens) and are cut there when encoded, while "
-        f"the reward scores the whole prompt; the first: {at}{texts[first]!r}"
+        f"({', '.join(f'{k} {v}' for k, v in limits.items())} tokens) and are cut there when encoded (a "
+        f"reward reads the text as its own model takes it); the first: {at}{texts[first]!r}"
     )
 
 
@@ -132,6 +131,18 @@ def check_reward_names(cfg) -> None:
             raise ConfigError(f"{key}: {exc}") from None
 
 
+def tag_problems(records: list[PromptRecord], source) -> list[str]:
+    """The lines whose GenEval 'tag' (a prompt's category, which the held-out table, the report and
+    rollout.balance_categories group by) is there but not text, each as `path:line: ...`."""
+    problems = []
+    for record in records:
+        tag = (record.metadata or {}).get("tag")
+        if tag is not None and not isinstance(tag, str):
+            problems.append(f"{resolve_prompt_file(source)}:{record.line}: 'tag' must be text (a category "
+                            f"name), got {tag!r}")  # fmt: skip
+    return problems
+
+
 def check_before_start(cfg) -> PromptFiles:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
@@ -154,6 +165,8 @@ def check_before_start(cfg) -> PromptFiles:
             read[key] = load_prompts(source)
         except (FileNotFoundError, ValueError) as exc:
             errors.append(f"{key}: {exc}")
+        else:
+            errors += [f"{key}: {problem}" for problem in tag_problems(read[key], source)[:1]]
     errors += missing_reward_paths(cfg)
     try:
         check_creatable_dir(cfg.output_dir)

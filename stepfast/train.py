@@ -200,25 +200,25 @@ class Trainer:
         if self.main:
             for setting, source, records in (("rollout.prompts", self.cfg.rollout.prompts, self.prompts),
                                              ("eval.prompts", self.cfg.eval.prompts, eval_records)):  # fmt: skip
+                if not records:  # no evaluation: its prompt file is not read
+                    continue
                 path = resolve_prompt_file(source)
                 warning = cut_prompt_warning(self.pipe, [r.prompt for r in records], setting,
                                              lambda i, records=records, path=path: f"{path}:{records[i].line}")  # fmt: skip
                 if warning:
                     print(f"stepfast: warning: {warning}", file=sys.stderr)
-        quiet_truncation_notices()
+        quiet_truncation_notices(self.pipe)
 
     def _strata(self) -> list[str] | None:
         """The category of each prompt when rollout.balance_categories is on."""
         if not self.cfg.rollout.balance_categories:
             return None
-        for record in self.prompts:
-            tag = (record.metadata or {}).get("tag")
-            if not tag or not isinstance(tag, str):
-                has = "none" if not tag else f"{tag!r}, which is not text"
+        for record in self.prompts:  # a tag there but not text is named at start (startup.tag_problems)
+            if not (record.metadata or {}).get("tag"):
                 raise ConfigError(
                     f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
                     f"*_metadata.jsonl); line {record.line} of {resolve_prompt_file(self.cfg.rollout.prompts)} "
-                    f"({record.prompt!r}) has {has} (rollout.balance_categories=false balances none)"
+                    f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
                 )
         return [record.metadata["tag"] for record in self.prompts]
 
@@ -515,9 +515,13 @@ def main(argv=None) -> int:
 
 def _start_error(exc: Exception) -> int:
     """A refusal before the process group: every rank of a node reads the same config and files, so
-    the node's first rank says it (a launcher's ranks said it once each); exit 2."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    the node's first rank says it (a launcher's ranks said it once each); exit 2. The others wait a
+    moment before they exit: a launcher kills every rank at the first exit it sees, which could be
+    before the first rank has printed."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(f"stepfast: config error: {exc}", file=sys.stderr)
+    else:
+        time.sleep(3)
     return 2
 
 

@@ -366,7 +366,7 @@ def test_ctrl_c_in_the_evaluation_command_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(heldout, "evaluate", interrupted)
     proc = run_evaluate("--limit", "1", "--seeds", "1", "--steps", "1", "--out", tmp_path / "out")
     assert proc.returncode == 130
-    assert proc.stderr.endswith("\npython -m stepfast.evaluate: interrupted; nothing written\n")
+    assert proc.stderr.endswith("\npython -m stepfast.evaluate: interrupted (the results are written at the end)\n")
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
 

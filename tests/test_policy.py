@@ -168,6 +168,11 @@ def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(t
     Trainer._say_cut_prompts(fake, load_prompts("shapeeval:test"))
     encode_prompts(pipe, [LONG, LONG], 4.5, torch.device("cpu"))
     err = capfd.readouterr().err
+    # another model's tokenizer (a reward's, say) keeps transformers' notice about a long prompt
+    from transformers import CLIPTokenizer
+
+    CLIPTokenizer.from_pretrained(EMBEDDED_MODEL, subfolder="tokenizer")(LONG)
+    assert "Token indices sequence length is longer" in capfd.readouterr().err
     assert err == (f"stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders take "
-                   f"(CLIP 12, T5 12 tokens) and are cut there when encoded, while the reward scores the whole "
-                   f"prompt; the first: {prompts}:3 {LONG!r}\n")  # fmt: skip
+                   f"(CLIP 12, T5 12 tokens) and are cut there when encoded (a reward reads the text as its own "
+                   f"model takes it); the first: {prompts}:3 {LONG!r}\n")  # fmt: skip

@@ -648,12 +648,21 @@ def test_help_names_the_presets_where_the_keys_are_and_what_a_run_writes(capsys)
 def test_a_refusal_before_the_process_group_is_said_by_the_nodes_first_rank_alone(model_dir, tmp_path, start,
                                                                                     monkeypatch, overrides):  # fmt: skip
     """Under a launcher every rank reads the same config and files: the message came once per rank."""
+    import stepfast.train
+
     config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
+    waits = []
+    monkeypatch.setattr(stepfast.train.time, "sleep", waits.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert start(config, *overrides) == (2, "")
+    # silent, and slower to exit than the first rank: a launcher kills all ranks at the first exit
+    assert start(config, *overrides) == (2, "") and waits == [3]
     monkeypatch.setenv("LOCAL_RANK", "0")
     code, err = start(config, *overrides)
-    assert code == 2 and err.startswith("stepfast: config error: ") and err.count("\n") == 1
+    assert code == 2 and err.startswith("stepfast: config error: ") and err.count("\n") == 1 and waits == [3]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # left in the environment of a run without a launcher
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert start(config, *overrides)[1].startswith("stepfast: config error: ")
 
 
 @pytest.mark.skipif(Path("/models").exists() or Path("/data/pickscore").exists(), reason="the preset's paths exist")
@@ -1052,20 +1061,18 @@ def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     assert f"line 3 of {prompts} ('a photo of a square') has none" in proc.stderr  # its line, not its count
 
 
-@pytest.mark.parametrize("tag, has", [(1, "has 1, which is not text"), (["colors"], "has ['colors'], which is not text"),
-                                      ("", "has none")])  # fmt: skip
-def test_a_tag_that_is_not_text_is_named_by_its_line(tmp_path, tag, has):
-    """Balancing sorts the categories: a tag of another type raised a TypeError naming no line."""
-    from types import SimpleNamespace
-
-    from stepfast.train import Trainer
-
+@pytest.mark.parametrize("setting", ["rollout.prompts", "eval.prompts"])
+@pytest.mark.parametrize("tag", [1, 0, False, ["colors"]])
+def test_a_tag_that_is_not_text_is_named_by_its_line_before_the_start(model_dir, tmp_path, start, setting, tag):
+    """The held-out table, the report and category balancing group prompts by tag: one of another type
+    raised a TypeError naming no line (0 and False read as no tag)."""
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n'
                        + json.dumps({"prompt": "a photo of a square", "tag": tag}) + "\n")  # fmt: skip
-    cfg = load_config("default", [f"rollout.prompts={prompts}"])
-    with pytest.raises(ConfigError, match=re.escape(f"line 2 of {prompts} ('a photo of a square') {has} (")):
-        Trainer._strata(SimpleNamespace(cfg=cfg, prompts=load_prompts(prompts)))
+    cfg = base_config(model_dir, tmp_path / "run", eval={"before_after": True})
+    code, err = start(write_config(tmp_path / "cfg.yaml", cfg), f"{setting}={prompts}")
+    assert code == 2
+    assert f"{setting}: {prompts}:2: 'tag' must be text (a category name), got {tag!r}" in err
 
 
 def test_nan_reward_stops_with_a_clear_error_and_keeps_checkpoints(baseline, tmp_path):
