@@ -145,10 +145,13 @@ def test_an_image_decodes_alike_however_many_are_decoded_with_it(tmp_path):
 LONG = "a photo of a red circle next to a green square above a blue triangle and two yellow circles"
 
 
-def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(tmp_path, capfd):
+def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(tmp_path, capsys):
     """A prompt longer than a text encoder takes is found at start (the embedded model's encoders
     take 12 tokens); the trainer warns once, naming its line, and diffusers' notice, logged at every
-    encoding of it, is dropped after that."""
+    encoding of it, and transformers' about its token count are dropped after that. The notices are
+    caught at their loggers (the libraries' own handlers keep the stderr of the test that imported
+    them first)."""
+    import logging
     from types import SimpleNamespace
 
     from stepfast.config import load_config
@@ -157,22 +160,47 @@ def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(t
     from stepfast.policy import cut_prompts, token_limits
     from stepfast.train import Trainer
 
-    pipe = load_pipeline(EMBEDDED_MODEL)
-    assert token_limits(pipe) == {"tokenizer": 12, "tokenizer_2": 12, "tokenizer_3": 12}
-    assert cut_prompts(pipe, ["a photo of a red circle", LONG, "a photo of a square"]) == [1]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"a photo of a red circle\n\n{LONG}\n")
-    cfg = load_config("default", [f"rollout.prompts={prompts}", "rollout.balance_categories=false"])
-    fake = SimpleNamespace(main=True, cfg=cfg, prompts=load_prompts(prompts), pipe=pipe)
-    capfd.readouterr()
-    Trainer._say_cut_prompts(fake, load_prompts("shapeeval:test"))
-    encode_prompts(pipe, [LONG, LONG], 4.5, torch.device("cpu"))
-    err = capfd.readouterr().err
-    # another model's tokenizer (a reward's, say) keeps transformers' notice about a long prompt
-    from transformers import CLIPTokenizer
+    logged = []
 
-    CLIPTokenizer.from_pretrained(EMBEDDED_MODEL, subfolder="tokenizer")(LONG)
-    assert "Token indices sequence length is longer" in capfd.readouterr().err
-    assert err == (f"stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders take "
-                   f"(CLIP 12, T5 12 tokens) and are cut there when encoded (a reward reads the text as its own "
-                   f"model takes it); the first: {prompts}:3 {LONG!r}\n")  # fmt: skip
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    loggers = [logging.getLogger(name) for name in ("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
+                                                    "transformers.tokenization_utils_base")]  # fmt: skip
+    keep = Keep(logging.WARNING)
+    from stepfast import policy
+
+    for log in loggers:
+        log.addHandler(keep)
+        for quiet in [f for f in log.filters if isinstance(f, policy._TruncationNotices)]:  # an earlier test's
+            log.removeFilter(quiet)
+    try:
+        pipe = load_pipeline(EMBEDDED_MODEL)
+        assert token_limits(pipe) == {"tokenizer": 12, "tokenizer_2": 12, "tokenizer_3": 12}
+        assert cut_prompts(pipe, ["a photo of a red circle", LONG, "a photo of a square"]) == [1]
+        encode_prompts(load_pipeline(EMBEDDED_MODEL), [LONG], 1.0, torch.device("cpu"))  # unquieted: the notices
+        assert any("was truncated because" in m for m in logged)
+        assert any("Token indices sequence length is longer" in m for m in logged)
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text(f"a photo of a red circle\n\n{LONG}\n")
+        cfg = load_config("default", [f"rollout.prompts={prompts}", "rollout.balance_categories=false"])
+        fake = SimpleNamespace(main=True, cfg=cfg, prompts=load_prompts(prompts), pipe=pipe)
+        capsys.readouterr()
+        logged.clear()
+        Trainer._say_cut_prompts(fake, load_prompts("shapeeval:test"))
+        encode_prompts(pipe, [LONG, LONG], 4.5, torch.device("cpu"))
+        assert logged == []
+        assert capsys.readouterr().err == (
+            f"stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders take (CLIP 12, "
+            f"T5 12 tokens) and are cut there when encoded (a reward reads the text as its own model takes it); "
+            f"the first: {prompts}:3 {LONG!r}\n"
+        )
+        # another model's tokenizer (a reward's, say) keeps transformers' notice about a long prompt
+        from transformers import CLIPTokenizer
+
+        CLIPTokenizer.from_pretrained(EMBEDDED_MODEL, subfolder="tokenizer")(LONG)
+        assert any("Token indices sequence length is longer" in m for m in logged)
+    finally:
+        for log in loggers:
+            log.removeHandler(keep)
