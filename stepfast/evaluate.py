@@ -187,11 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
     result["settings"].update(model=str(args.model), lora=args.lora, transformer=args.transformer,
                               prompt_source=args.prompts)  # fmt: skip
     print(heldout.markdown_table(result), end="")
-    topped_up = len(result["samples"]) > len(metadata) * args.seeds  # --min-images added seeds somewhere
+    images = len(result["samples"])
+    topped_up = images > len(metadata) * args.seeds  # --min-images added seeds somewhere
     print(
         f"{len(metadata)} prompt{'s' * (len(metadata) != 1)} x {args.seeds}{'+' * topped_up} "
-        f"seed{'s' * (args.seeds != 1 or topped_up)} ({len(result['samples'])} image{'s' * (len(result['samples']) != 1)}), "
-        f"{args.steps} steps, "
+        f"seed{'s' * (args.seeds != 1 or topped_up)} ({images} image{'s' * (images != 1)}), {args.steps} steps, "
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )

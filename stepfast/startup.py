@@ -60,8 +60,8 @@ def build_eval_reward(cfg, device: torch.device, train_reward=None):
 
 def cut_prompt_warning(pipe, texts: list[str], where: str, line_of=None) -> str | None:
     """A warning when some of `texts` are longer than a text encoder of `pipe` takes: they are cut
-    there when encoded (as diffusers encodes them, Flow-GRPO's runs included). `where`: the setting or option that names them; `line_of(i)`: where prompt i is
-    (`path:line`), for the first one cut."""
+    there when encoded (as diffusers encodes them, Flow-GRPO's runs included). `where`: the setting
+    or option that names them; `line_of(i)`: where prompt i is (`path:line`), for the first one cut."""
     from stepfast.policy import cut_prompts, token_limits
 
     cut = cut_prompts(pipe, texts) if texts else []

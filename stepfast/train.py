@@ -202,9 +202,8 @@ class Trainer:
                                              ("eval.prompts", self.cfg.eval.prompts, eval_records)):  # fmt: skip
                 if not records:  # no evaluation: its prompt file is not read
                     continue
-                path = resolve_prompt_file(source)
-                warning = cut_prompt_warning(self.pipe, [r.prompt for r in records], setting,
-                                             lambda i, records=records, path=path: f"{path}:{records[i].line}")  # fmt: skip
+                lines = [f"{resolve_prompt_file(source)}:{r.line}" for r in records]
+                warning = cut_prompt_warning(self.pipe, [r.prompt for r in records], setting, lines.__getitem__)
                 if warning:
                     print(f"stepfast: warning: {warning}", file=sys.stderr)
         quiet_truncation_notices(self.pipe)
