@@ -38,7 +38,7 @@ from stepfast.models import (
     lora_weights_file,
 )
 from stepfast.policy import check_resolution, quiet_truncation_notices
-from stepfast.startup import cut_prompt_warning
+from stepfast.startup import cut_prompt_warning, tag_problems
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -53,6 +53,9 @@ def read_prompts(source: str) -> list[dict]:
                          "*_metadata.jsonl file or a .txt file of prompts (one per line)")  # fmt: skip
     # names a missing file, a directory, another suffix, a bad line (path:line), a file of no prompts
     records = load_prompts(path)
+    problems = tag_problems(records, path)  # the table groups by tag
+    if problems:
+        raise ValueError(problems[0])
     if path.suffix == ".jsonl":
         return [record.metadata for record in records]  # as shapeeval.load_metadata reads them
     parsed = []

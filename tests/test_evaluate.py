@@ -400,6 +400,14 @@ def test_the_evaluation_command_is_its_cli():
     assert "python -m stepfast.evaluate: error: --model: pipeline directory /nonexistent/model does not exist" in proc.stderr
 
 
+def test_evaluation_command_names_a_tag_that_is_not_text(tmp_path):
+    """The table groups images by tag: a list there raised an unhashable-type TypeError."""
+    prompts = tmp_path / "geneval_metadata.jsonl"
+    prompts.write_text('{"tag": ["colors"], "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"}\n')
+    message = f"{prompts}:1: 'tag' must be text (a category name), got ['colors']"
+    assert_refused_before_the_model_loads("--prompts", prompts, message, tmp_path)
+
+
 def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_model_loads(tmp_path):
     """A GenEval metadata file ("dog") would score 0 everywhere after minutes of sampling."""
     prompts = tmp_path / "geneval_metadata.jsonl"
