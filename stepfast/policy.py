@@ -79,6 +79,16 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
     return pipe
 
 
+def quiet_loading_bars() -> None:
+    """Turns off diffusers' and transformers' progress bars (loading a pipeline's components and their
+    weights): on the ranks other than the first, which would draw the same bars over each other's."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def token_limits(pipe) -> dict[str, int]:
     """The tokens each of the pipeline's text encoders takes of a prompt, by tokenizer attribute:
     CLIP's model_max_length (77 for SD3.5), T5's `text_length` (diffusers' max_sequence_length)."""

@@ -38,8 +38,8 @@ from stepfast.files import write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
-    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, quiet_truncation_notices, save_lora,
-    save_transformer,
+    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, quiet_loading_bars,
+    quiet_truncation_notices, save_lora, save_transformer,
 )
 from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
@@ -96,6 +96,8 @@ class Trainer:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
+        if not self.main:
+            quiet_loading_bars()  # the first rank's bars say it
         # checked on every rank before the model loads (they would wait in a collective for rank 0):
         # wandb when asked for, the checkpoint resumed and the metrics logged so far (read once, here)
         if cfg.log.wandb:

@@ -498,6 +498,9 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     port = free_port()
     proc = train(write_config(tmp_path / "cfg.yaml", cfg), "iterations=2", ranks=2, port=port)
     assert "all_gather_into_tensor` is deprecated" not in proc.stderr, proc.stderr[-3000:]  # about DeepSpeed's call
+    # the loading bars of the model's three text encoders are drawn by the first rank alone (the two
+    # drew theirs over each other's)
+    assert proc.stderr.count("Loading weights:   0%") == 3, proc.stderr[-3000:]
     # DeepSpeed's CPU all-reduce segments (66 MiB of RAM per rank) do not outlive the run; their names
     # hold the run's port (other runs may be going on beside this one)
     assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
