@@ -131,6 +131,19 @@ def check_reward_names(cfg) -> None:
             raise ConfigError(f"{key}: {exc}") from None
 
 
+def cut_prompt_warnings(pipe, files: dict[str, tuple[str, list[PromptRecord] | None]]) -> list[str]:
+    """`cut_prompt_warning` for each prompt file by the setting that names it (setting: (source,
+    records); records None or empty when the file is not read, as eval.prompts without evaluation),
+    the first cut prompt named by `path:line`."""
+    warnings = []
+    for setting, (source, records) in files.items():
+        if records:
+            lines = [f"{resolve_prompt_file(source)}:{r.line}" for r in records]
+            warning = cut_prompt_warning(pipe, [r.prompt for r in records], setting, lines.__getitem__)
+            warnings += [warning] if warning else []
+    return warnings
+
+
 def tag_problems(records: list[PromptRecord], source) -> list[str]:
     """The lines whose GenEval 'tag' (a prompt's category, which the held-out table, the report and
     rollout.balance_categories group by) is there but not text, each as `path:line: ...`."""

@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warning,
+    check_servers, cut_prompt_warnings,
 )
 
 
@@ -118,7 +118,12 @@ class Trainer:
         self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         check_resolution(self.pipe, cfg.rollout.resolution, "rollout.resolution")  # before anything is written
-        self._say_cut_prompts(prompts.eval if cfg.eval.enabled else [])
+        if self.main:  # said once; diffusers' notice at every encoding of them is dropped on every rank
+            files = {"rollout.prompts": (cfg.rollout.prompts, self.prompts),
+                     "eval.prompts": (cfg.eval.prompts, prompts.eval)}  # fmt: skip
+            for warning in cut_prompt_warnings(self.pipe, files):
+                print(f"stepfast: warning: {warning}", file=sys.stderr)
+        quiet_truncation_notices(self.pipe)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
         steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)
@@ -195,20 +200,6 @@ class Trainer:
         print(f"stepfast: {', '.join(setup)}, ZeRO-{cfg.optim.zero_stage}, {cfg.optim.precision}")
         for warning in config_warnings(cfg, steps):
             print(f"stepfast: warning: {warning}", file=sys.stderr)
-
-    def _say_cut_prompts(self, eval_records: list[PromptRecord]) -> None:
-        """Warns once about the train and eval prompts the text encoders cut, and drops the notices
-        diffusers would log about them at every encoding."""
-        if self.main:
-            for setting, source, records in (("rollout.prompts", self.cfg.rollout.prompts, self.prompts),
-                                             ("eval.prompts", self.cfg.eval.prompts, eval_records)):  # fmt: skip
-                if not records:  # no evaluation: its prompt file is not read
-                    continue
-                lines = [f"{resolve_prompt_file(source)}:{r.line}" for r in records]
-                warning = cut_prompt_warning(self.pipe, [r.prompt for r in records], setting, lines.__getitem__)
-                if warning:
-                    print(f"stepfast: warning: {warning}", file=sys.stderr)
-        quiet_truncation_notices(self.pipe)
 
     def _strata(self) -> list[str] | None:
         """The category of each prompt when rollout.balance_categories is on."""

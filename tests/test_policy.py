@@ -145,20 +145,18 @@ def test_an_image_decodes_alike_however_many_are_decoded_with_it(tmp_path):
 LONG = "a photo of a red circle next to a green square above a blue triangle and two yellow circles"
 
 
-def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(tmp_path, capsys):
+def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(tmp_path):
     """A prompt longer than a text encoder takes is found at start (the embedded model's encoders
     take 12 tokens); the trainer warns once, naming its line, and diffusers' notice, logged at every
     encoding of it, and transformers' about its token count are dropped after that. The notices are
     caught at their loggers (the libraries' own handlers keep the stderr of the test that imported
     them first)."""
     import logging
-    from types import SimpleNamespace
 
-    from stepfast.config import load_config
     from stepfast.data.prompts import load_prompts
     from stepfast.models import EMBEDDED_MODEL
-    from stepfast.policy import cut_prompts, token_limits
-    from stepfast.train import Trainer
+    from stepfast.policy import cut_prompts, quiet_truncation_notices, token_limits
+    from stepfast.startup import cut_prompt_warnings
 
     logged = []
 
@@ -184,18 +182,18 @@ def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(t
         assert any("Token indices sequence length is longer" in m for m in logged)
         prompts = tmp_path / "prompts.txt"
         prompts.write_text(f"a photo of a red circle\n\n{LONG}\n")
-        cfg = load_config("default", [f"rollout.prompts={prompts}", "rollout.balance_categories=false"])
-        fake = SimpleNamespace(main=True, cfg=cfg, prompts=load_prompts(prompts), pipe=pipe)
-        capsys.readouterr()
         logged.clear()
-        Trainer._say_cut_prompts(fake, load_prompts("shapeeval:test"))
+        files = {"rollout.prompts": (str(prompts), load_prompts(prompts)),
+                 "eval.prompts": ("shapeeval:test", load_prompts("shapeeval:test"))}  # fmt: skip
+        assert cut_prompt_warnings(pipe, files) == [
+            f"rollout.prompts: 1 of 2 prompts are longer than the text encoders take (CLIP 12, T5 12 tokens) and "
+            f"are cut there when encoded (a reward reads the text as its own model takes it); the first: "
+            f"{prompts}:3 {LONG!r}"
+        ]
+        assert cut_prompt_warnings(pipe, {"eval.prompts": ("shapeeval:nope", None)}) == []  # not read
+        quiet_truncation_notices(pipe)
         encode_prompts(pipe, [LONG, LONG], 4.5, torch.device("cpu"))
         assert logged == []
-        assert capsys.readouterr().err == (
-            f"stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders take (CLIP 12, "
-            f"T5 12 tokens) and are cut there when encoded (a reward reads the text as its own model takes it); "
-            f"the first: {prompts}:3 {LONG!r}\n"
-        )
         # another model's tokenizer (a reward's, say) keeps transformers' notice about a long prompt
         from transformers import CLIPTokenizer
 

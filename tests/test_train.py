@@ -301,8 +301,17 @@ def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    cfg = base_config(model_dir, out, iterations=2, optim={"lr": 3e-2, "clip_range": 0.2, "ema": 0.5}, log={"report": False})
-    train(write_config(tmp_path / "cfg.yaml", cfg))
+    # a prompt longer than the tiny model's text encoders take (12 tokens): said once at start, not at
+    # every encoding (diffusers' notice)
+    prompts = tmp_path / "prompts.txt"
+    long = "a photo of a red circle next to a green square above a blue triangle and two yellow circles"
+    prompts.write_text(f"a photo of a red circle\n{long}\n")
+    cfg = base_config(model_dir, out, iterations=2, optim={"lr": 3e-2, "clip_range": 0.2, "ema": 0.5}, log={"report": False},
+                      rollout={"prompts": str(prompts), "balance_categories": False})  # fmt: skip
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert proc.stderr.count("stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders "
+                             f"take (CLIP 12, T5 12 tokens)") == 1 and f"the first: {prompts}:2 " in proc.stderr  # fmt: skip
+    assert "was truncated because" not in proc.stderr + proc.stdout
     ckpt = out / "checkpoints" / "checkpoint-000002"
     trained = load_file(ckpt / "lora" / "pytorch_lora_weights.safetensors")
     ema = load_file(ckpt / "lora_ema" / "pytorch_lora_weights.safetensors")
