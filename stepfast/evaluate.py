@@ -46,7 +46,8 @@ def read_prompts(source: str) -> list[dict]:
     `*.jsonl` metadata file, or a `.txt` file of ShapeEval prompts (one per line, blank lines
     skipped, parsed into metadata). Files are read by `stepfast.data.prompts`, as the trainer reads
     them: a missing file, a directory, a line that is not UTF-8 or not JSON raises an error naming
-    the file (and the line, `path:line`), as does a `.txt` prompt ShapeEval cannot parse."""
+    the file (and the line, `path:line`), as do a GenEval `tag` that is not text and a `.txt` prompt
+    ShapeEval cannot parse."""
     path = resolve_prompt_file(f"shapeeval:{source}" if source in ("train", "test") else source)
     if path.suffix not in (".txt", ".jsonl") and not path.exists():
         raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "

@@ -80,12 +80,11 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
 
 
 def quiet_loading_bars() -> None:
-    """Turns off diffusers' and transformers' progress bars (loading a pipeline's components and their
-    weights): on the ranks other than the first, which would draw the same bars over each other's."""
-    import diffusers.utils.logging
+    """Turns off transformers' progress bars (a text encoder's weights loading, and huggingface_hub's
+    downloads with them): on the ranks other than the first, which would draw the same bars over each
+    other's. (diffusers draws its pipeline bar on the first rank alone already.)"""
     import transformers.utils.logging
 
-    diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
 
 

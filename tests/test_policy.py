@@ -202,3 +202,5 @@ def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(t
     finally:
         for log in loggers:
             log.removeHandler(keep)
+            for quiet in [f for f in log.filters if isinstance(f, policy._TruncationNotices)]:
+                log.removeFilter(quiet)

@@ -38,6 +38,8 @@ def env():
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), e.get("PYTHONPATH", "")])
     e["OMP_NUM_THREADS"] = "1"
+    for quiet in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # some tests count the bars drawn
+        e.pop(quiet, None)
     return e
 
 
@@ -312,6 +314,7 @@ def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
     assert proc.stderr.count("stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders "
                              f"take (CLIP 12, T5 12 tokens)") == 1 and f"the first: {prompts}:2 " in proc.stderr  # fmt: skip
     assert "was truncated because" not in proc.stderr + proc.stdout
+    assert "Token indices sequence length" not in proc.stderr + proc.stdout  # transformers' notice, too
     ckpt = out / "checkpoints" / "checkpoint-000002"
     trained = load_file(ckpt / "lora" / "pytorch_lora_weights.safetensors")
     ema = load_file(ckpt / "lora_ema" / "pytorch_lora_weights.safetensors")
@@ -509,7 +512,7 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
     assert "all_gather_into_tensor` is deprecated" not in proc.stderr, proc.stderr[-3000:]  # about DeepSpeed's call
     # the loading bars of the model's three text encoders are drawn by the first rank alone (the two
     # drew theirs over each other's)
-    assert proc.stderr.count("Loading weights:   0%") == 3, proc.stderr[-3000:]
+    assert proc.stderr.count("Loading weights:   0%|          | 0/") == 3, proc.stderr[-3000:]
     # DeepSpeed's CPU all-reduce segments (66 MiB of RAM per rank) do not outlive the run; their names
     # hold the run's port (other runs may be going on beside this one)
     assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
