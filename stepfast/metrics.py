@@ -24,6 +24,7 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.csv"
         self.rows: list[dict] = []
         self.tb = self.wandb = None
+        self.wandb_has_until = 0  # the last iteration the W&B run holds from a run stopped past its checkpoint
         if not enabled:
             return
         wandb_module = import_wandb() if wandb else None  # before anything is rewritten
@@ -31,6 +32,14 @@ class MetricsLogger:
             logged = read_logged(self.path)
         if logged is not None:
             self.rows = [r for r in logged if r["iteration"] <= resume_from]
+            past = [int(r["iteration"]) for r in logged if r["iteration"] > resume_from]
+            if wandb and past:
+                # W&B ignores (with a warning per call) a step it holds already: those iterations
+                # trained again go to metrics.csv and TensorBoard, and W&B keeps the stopped run's
+                self.wandb_has_until = max(past)
+                print(f"stepfast: the W&B run holds iterations {resume_from + 1}-{self.wandb_has_until} of the "
+                      "run stopped after them; trained again, they are logged to metrics.csv and TensorBoard, "
+                      "not to W&B, which keeps the stopped run's points for them")  # fmt: skip
             self._rewrite()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -55,7 +64,7 @@ class MetricsLogger:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, iteration)
             self.tb.flush()
-        if self.wandb is not None:
+        if self.wandb is not None and iteration > self.wandb_has_until:
             self.wandb.log(values, step=iteration)
 
     def _rewrite(self) -> None:

@@ -74,6 +74,31 @@ def test_a_resumed_run_logs_on_in_the_wandb_run_it_began(tmp_path, monkeypatch):
     assert start(1) == ("second", "allow")
 
 
+def test_a_resume_does_not_log_to_wandb_the_iterations_it_holds_already(tmp_path, monkeypatch, capsys):
+    """A run stopped after logging iterations 4 and 5 past its checkpoint at 3: W&B, which ignores a
+    step it holds (warning at each call), is not sent 4 and 5 again; metrics.csv gets them."""
+    import sys
+    import types
+
+    sent = []
+    run = types.SimpleNamespace(log=lambda values, step: sent.append(step), finish=lambda: None)
+    fake = types.SimpleNamespace(init=lambda **kw: run, util=types.SimpleNamespace(generate_id=lambda: "id"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    write_log(tmp_path, [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5)])
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, wandb=True, resume_from=3)
+    assert "the W&B run holds iterations 4-5 of the run stopped after them" in capsys.readouterr().out
+    for it in (4, 5, 6):
+        logger.log(it, {"reward": it / 100})
+    logger.close()
+    assert sent == [6]
+    assert [r["reward"] for r in read_logged(tmp_path / "metrics.csv")] == [0.1, 0.2, 0.3, 0.04, 0.05, 0.06]
+    # a resume from the last row logged holds nothing to skip, and says nothing
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, wandb=True, resume_from=6)
+    logger.log(7, {"reward": 0.07})
+    logger.close()
+    assert sent == [6, 7] and "W&B" not in capsys.readouterr().out
+
+
 def test_a_row_cut_short_by_a_kill_is_left_out_and_a_row_of_other_length_is_named(tmp_path):
     """The logger writes whole rows; a kill while it appends one leaves a last line without its
     newline, which is a row the run did not finish (past its checkpoint, as a resume drops). A row
