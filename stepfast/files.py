@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 
+_CANNOT_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF}
+
+
 def _fsync(path: Path) -> None:
     if os.name == "nt" and path.is_dir():  # Windows opens no folder to flush; its renames are journaled
         return
@@ -19,8 +22,9 @@ def _fsync(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
-        # some filesystems cannot sync a folder (EINVAL); its files were synced, which is what matters
-        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+        # a filesystem that cannot sync (a folder, or any file on some FUSE mounts) has nothing this can
+        # do: not a reason to stop a run; an I/O error (EIO, ENOSPC) is
+        if exc.errno not in _CANNOT_SYNC:
             raise
     finally:
         os.close(fd)

@@ -75,6 +75,26 @@ def test_a_file_written_whole_is_on_disk_before_its_rename_and_the_rename_after(
     assert events == [str(tmp_path / "eval.json.tmp"), "replace", str(tmp_path)]
 
 
+def test_a_filesystem_that_cannot_sync_does_not_stop_a_write_but_an_io_error_does(tmp_path, monkeypatch):
+    import errno
+
+    from stepfast.files import write_atomically
+
+    def fsync(code):
+        def fail(fd):
+            raise OSError(code, os.strerror(code))
+
+        return fail
+
+    monkeypatch.setattr(os, "fsync", fsync(errno.EINVAL))  # a FUSE mount without fsync
+    write_atomically(tmp_path / "a.json", lambda tmp: tmp.write_text("{}"))
+    assert (tmp_path / "a.json").read_text() == "{}"
+    monkeypatch.setattr(os, "fsync", fsync(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_atomically(tmp_path / "b.json", lambda tmp: tmp.write_text("{}"))
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.json.tmp").exists()
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_folder_whose_permission_bits_allow_writing_but_which_refuses_it_is_named():
     """/proc passes os.access for root, yet nothing can be created in it: found out at the check, not
