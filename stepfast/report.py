@@ -3,6 +3,8 @@ before and after training, and a Markdown summary."""
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +134,23 @@ def held_out_gain(evals: dict) -> dict | None:
     return paired_gain(*samples)
 
 
+def gain_line(evals: dict) -> str | None:
+    """What a run says of its held-out gain: the gain and its standard error (`held_out_gain`), or
+    why there is none although both evaluations ran; None when they did not both run."""
+    samples = [evals.get(tag, {}).get("samples") for tag in ("before", "after")]
+    if not all(isinstance(s, list) and s for s in samples):  # not both run, or their images not kept
+        return None
+    gain = held_out_gain(evals)
+    if gain is None:
+        if not all(math.isfinite(s["strict"]) for part in samples for s in part):
+            return "held-out gain not computed: the eval reward gives no pass/fail (strict) to compare"
+        return ("held-out gain not computed: the evaluations before and after drew other prompts or seeds "
+                "(eval settings changed at a resume?); the overall scores above are not of the same images")  # fmt: skip
+    if gain["se"] is None:
+        return f"held-out gain {gain['gain']:+.3f} (one image a category: no standard error)"
+    return f"held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and seeds drawn)"
+
+
 def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg) -> Path:
     """report/ of a run: curves, tables, the held-out gain, and the sample grids: the one after
     training drawn from `after`'s images, the one before linked where the trainer saved it."""
@@ -162,6 +181,8 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         gain = held_out_gain(evals)
         if gain is None or gain["se"] is None:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
+            if gain is None and (line := gain_line(evals)):
+                lines += [line[0].upper() + line[1:] + ".", ""]
         else:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "

@@ -479,14 +479,10 @@ class Trainer:
             bar.close()
         after = self.evaluate("after", keep_images=True) if cfg.eval.before_after else None
         if self.main:
-            from stepfast.report import held_out_gain, write_report
+            from stepfast.report import gain_line, write_report
 
-            gain = held_out_gain(self.evals)
-            if gain is not None and gain["se"] is None:
-                print(f"stepfast: held-out gain {gain['gain']:+.3f} (one image a category: no standard error)")
-            elif gain is not None:
-                print(f"stepfast: held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} "
-                      "(one standard error over the prompts and seeds drawn)")  # fmt: skip
+            if line := gain_line(self.evals):
+                print(f"stepfast: {line}")
             if cfg.log.report:
                 write_report(self.out, self.logger.rows, self.evals, after, cfg)
         self.logger.close()

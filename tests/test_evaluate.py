@@ -85,6 +85,29 @@ def test_paired_gain_of_one_image_a_category_has_no_standard_error():
     assert heldout.paired_gain(two, two)["se"] == 0.0  # two images of colors: redrawn, and equal
 
 
+def test_a_run_says_its_held_out_gain_or_why_it_has_none():
+    """The trainer printed nothing when both evaluations ran but did not pair up (eval settings
+    changed at a resume), so a run ended without a gain and without a word."""
+    from stepfast.report import gain_line
+
+    before = records({("colors", "a"): [0, 1], ("counting", "b"): [1, 0]})
+    after = records({("colors", "a"): [1, 1], ("counting", "b"): [1, 0]})
+    gain = heldout.paired_gain(before, after)
+    assert gain_line({"before": {"samples": before}, "after": {"samples": after}}) == (
+        f"held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and seeds drawn)")
+    assert gain_line({"before": {"samples": before[:1]}, "after": {"samples": after[:1]}}) == (
+        "held-out gain +1.000 (one image a category: no standard error)")
+    other_seeds = [{**r, "seed": r["seed"] + 4} for r in after]
+    assert gain_line({"before": {"samples": before}, "after": {"samples": other_seeds}}) == (
+        "held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval settings "
+        "changed at a resume?); the overall scores above are not of the same images")
+    no_pass = [{**r, "strict": float("nan")} for r in after]
+    assert gain_line({"before": {"samples": before}, "after": {"samples": no_pass}}) == (
+        "held-out gain not computed: the eval reward gives no pass/fail (strict) to compare")
+    assert gain_line({"before": {"samples": before}}) is None and gain_line({}) is None
+    assert gain_line({"before": {"samples": []}, "after": {"samples": []}}) is None  # no image records kept
+
+
 def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
     """With every seed of a prompt giving the same difference, only the prompt draw spreads the
     gain: its standard error is that of the mean over categories of each category's prompt mean,

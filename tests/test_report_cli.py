@@ -153,6 +153,18 @@ def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_sample
         assert "**Overall (strict): " in summary and "±" not in summary
 
 
+def test_a_report_says_why_evaluations_that_do_not_pair_have_no_gain(run):
+    """Evaluations before and after of other seeds (eval settings changed at a resume): the summary
+    says the difference is not of the same images, where it gave it without a word."""
+    out, rows, evals = run
+    sample = {"prompt": "a photo of a circle", "tag": "colors", "strict": 1.0, "score": 1.0}
+    evals = {**evals, "before": {**evals["before"], "samples": [{**sample, "seed": 0}]},
+             "after": {**evals["after"], "samples": [{**sample, "seed": 4}]}}  # fmt: skip
+    summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
+    assert ("Held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval "
+            "settings changed at a resume?); the overall scores above are not of the same images.") in summary
+
+
 def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
     """A run resumed with other sde.steps logs a gain step the earlier rows lack (the trainer's rows:
     the key missing; metrics.csv: an empty cell), and a time not logged in the last row: the
