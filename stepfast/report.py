@@ -144,11 +144,12 @@ def gain_line(evals: dict) -> str | None:
     if gain is None:
         if not all(math.isfinite(s["strict"]) for part in samples for s in part):
             return "held-out gain not computed: the eval reward gives no pass/fail (strict) to compare"
-        return ("held-out gain not computed: the evaluations before and after drew other prompts or seeds "
-                "(eval settings changed at a resume?); the overall scores above are not of the same images")  # fmt: skip
+        return ("held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval "
+                "settings changed at a resume?); the overall scores above are not of the same images")
     if gain["se"] is None:
         return f"held-out gain {gain['gain']:+.3f} (one image a category: no standard error)"
-    return f"held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and seeds drawn)"
+    return (f"held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and "
+            "seeds drawn)")
 
 
 def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg) -> Path:
