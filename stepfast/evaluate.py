@@ -38,7 +38,7 @@ from stepfast.models import (
     lora_weights_file,
 )
 from stepfast.policy import check_resolution, quiet_truncation_notices
-from stepfast.startup import cut_prompt_warning, tag_problems
+from stepfast.startup import cut_prompt_warning, tag_problem
 
 
 def read_prompts(source: str) -> list[dict]:
@@ -54,9 +54,8 @@ def read_prompts(source: str) -> list[dict]:
                          "*_metadata.jsonl file or a .txt file of prompts (one per line)")  # fmt: skip
     # names a missing file, a directory, another suffix, a bad line (path:line), a file of no prompts
     records = load_prompts(path)
-    problems = tag_problems(records, path)  # the table groups by tag
-    if problems:
-        raise ValueError(problems[0])
+    if problem := tag_problem(records, path):  # the table groups by tag
+        raise ValueError(problem)
     if path.suffix == ".jsonl":
         return [record.metadata for record in records]  # as shapeeval.load_metadata reads them
     parsed = []

@@ -19,7 +19,7 @@ from stepfast.config import ConfigError
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.files import check_creatable_dir
 from stepfast.models import check_pipeline_dir
-from stepfast.policy import resolve_model_path
+from stepfast.policy import cut_prompts, resolve_model_path, token_limits
 from stepfast.rewards import PromptError
 
 
@@ -62,8 +62,6 @@ def cut_prompt_warning(pipe, texts: list[str], where: str, line_of=None) -> str 
     """A warning when some of `texts` are longer than a text encoder of `pipe` takes: they are cut
     there when encoded (as diffusers encodes them, Flow-GRPO's runs included). `where`: the setting
     or option that names them; `line_of(i)`: where prompt i is (`path:line`), for the first one cut."""
-    from stepfast.policy import cut_prompts, token_limits
-
     cut = cut_prompts(pipe, texts) if texts else []
     if not cut:
         return None
@@ -144,16 +142,14 @@ def cut_prompt_warnings(pipe, files: dict[str, tuple[str, list[PromptRecord] | N
     return warnings
 
 
-def tag_problems(records: list[PromptRecord], source) -> list[str]:
-    """The lines whose GenEval 'tag' (a prompt's category, which the held-out table, the report and
-    rollout.balance_categories group by) is there but not text, each as `path:line: ...`."""
-    problems = []
+def tag_problem(records: list[PromptRecord], source) -> str | None:
+    """The first line whose GenEval 'tag' (a prompt's category, which the held-out table, the report
+    and rollout.balance_categories group by) is there but not text, as `path:line: ...`; else None."""
     for record in records:
         tag = (record.metadata or {}).get("tag")
         if tag is not None and not isinstance(tag, str):
-            problems.append(f"{resolve_prompt_file(source)}:{record.line}: 'tag' must be text (a category "
-                            f"name), got {tag!r}")  # fmt: skip
-    return problems
+            return f"{resolve_prompt_file(source)}:{record.line}: 'tag' must be text (a category name), got {tag!r}"
+    return None
 
 
 def check_before_start(cfg) -> PromptFiles:
@@ -179,7 +175,8 @@ def check_before_start(cfg) -> PromptFiles:
         except (FileNotFoundError, ValueError) as exc:
             errors.append(f"{key}: {exc}")
         else:
-            errors += [f"{key}: {problem}" for problem in tag_problems(read[key], source)[:1]]
+            if problem := tag_problem(read[key], source):
+                errors.append(f"{key}: {problem}")
     errors += missing_reward_paths(cfg)
     try:
         check_creatable_dir(cfg.output_dir)

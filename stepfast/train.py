@@ -205,7 +205,7 @@ class Trainer:
         """The category of each prompt when rollout.balance_categories is on."""
         if not self.cfg.rollout.balance_categories:
             return None
-        for record in self.prompts:  # a tag there but not text is named at start (startup.tag_problems)
+        for record in self.prompts:  # a tag there but not text is named at start (startup.tag_problem)
             if not (record.metadata or {}).get("tag"):
                 raise ConfigError(
                     f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
