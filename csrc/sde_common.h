@@ -25,9 +25,9 @@ enum Coef : int64_t { CA = 0, CB, STD, LP_SCALE, LP_CONST, KL_SCALE, GLP, GKL, k
 // The per-chunk loops are compiled twice, for AVX2 and for the x86-64 baseline (SSE2), and the
 // loader picks one per process from the CPU it runs on (GCC/Clang function multiversioning): the
 // baseline alone is compute-bound at half a copy's bandwidth. Both clones round alike element by
-// element (no FMA: -ffp-contract=off); a chunk's float32 sum is in the clone's vector order, the same
-// for the step op and the log-prob op, so their log-probs agree bit for bit on any one machine (the
-// tests run the clone of the CPU they run on). Clang does not clone templates: one build there.
+// element (no FMA: -ffp-contract=off) and sum in the order Lanes fixes below, so they give the same
+// bits: the step op's log-prob is the log-prob op's on any x86-64 CPU (the tests run the clone of the
+// CPU they run on, and check that order). Clang does not clone templates: one build there.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define STEPFAST_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
@@ -36,6 +36,23 @@ enum Coef : int64_t { CA = 0, CB, STD, LP_SCALE, LP_CONST, KL_SCALE, GLP, GKL, k
 
 // Elements per chunk: a few float32 buffers of this size fit in L1 beside the streams.
 constexpr int64_t kChunk = 1024;
+
+// A chunk's float32 sum of squares runs in kLanes partial sums: lane k adds the elements i = k (mod
+// kLanes) in order, then the lanes fold pairwise (k + w into k, w = kLanes/2 ... 1). The order is the
+// source's, not the compiler's vectorisation of a reduction, so every build and vector width (SSE2's
+// 4 floats, AVX2's 8) sums alike, and the step op and the log-prob op, which both sum through Lanes,
+// agree bit for bit. 32 lanes are 4 AVX2 registers (independent additions), each adding 32 elements
+// of a 1,024-element chunk.
+constexpr int64_t kLanes = 32;
+
+struct Lanes {
+  alignas(64) float lane[kLanes] = {};
+  float fold() {
+    for (int64_t w = kLanes / 2; w > 0; w /= 2)
+      for (int64_t k = 0; k < w; ++k) lane[k] += lane[k + w];
+    return lane[0];
+  }
+};
 
 struct In {
   const void* data;

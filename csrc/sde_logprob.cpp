@@ -24,26 +24,32 @@ struct Sums {
   float lp, kl;
 };
 
+// Sums over the chunk (in Lanes' order) of d^2, or the squares in sq (tokens), and of dv^2.
 template <bool TOKENS, bool KL, bool SAVE>
 STEPFAST_SIMD_CLONES Sums logprob_chunk(const float* x, const float* v, const float* s, const float* vr, float* res, float* dvo,
                           float* sq, int64_t n, float ca, float cb) {
-  float acc = 0.f, acck = 0.f;
-#pragma omp simd reduction(+ : acc, acck)
-  for (int64_t i = 0; i < n; ++i) {
+  Lanes acc, acck;
+  const auto one = [&](int64_t i, int64_t k) {
     const float m = ca * x[i] + cb * v[i];
     const float d = s[i] - m;
     if (TOKENS)
       sq[i] = d * d;
     else
-      acc += d * d;
+      acc.lane[k] += d * d;
     if (SAVE) res[i] = d;
     if (KL) {
       const float dv = v[i] - vr[i];
-      acck += dv * dv;
+      acck.lane[k] += dv * dv;
       if (SAVE) dvo[i] = dv;
     }
+  };
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= n; i0 += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) one(i0 + k, k);
   }
-  return {acc, acck};
+  for (int64_t k = 0; i0 + k < n; ++k) one(i0 + k, k);
+  return {TOKENS ? 0.f : acc.fold(), KL ? acck.fold() : 0.f};
 }
 
 template <bool TOKENS, bool KL, bool SAVE>

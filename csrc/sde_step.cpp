@@ -14,13 +14,13 @@
 namespace stepfast {
 namespace {
 
-// sample[i] = mean + std z; returns sum (sample - mean)^2, or stores the squares in sq (tokens).
+// sample[i] = mean + std z; returns sum (sample - mean)^2 (in Lanes' order), or stores the squares in
+// sq (tokens).
 template <bool TOKENS>
 STEPFAST_SIMD_CLONES float step_chunk(const float* x, const float* v, const float* z, float* out, float* sq, int64_t n,
                         float ca, float cb, float sd) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) {
+  Lanes acc;
+  const auto one = [&](int64_t i, int64_t k) {
     const float m = ca * x[i] + cb * v[i];
     const float smp = m + sd * z[i];
     out[i] = smp;
@@ -28,9 +28,15 @@ STEPFAST_SIMD_CLONES float step_chunk(const float* x, const float* v, const floa
     if (TOKENS)
       sq[i] = d * d;
     else
-      acc += d * d;
+      acc.lane[k] += d * d;
+  };
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= n; i0 += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) one(i0 + k, k);
   }
-  return acc;
+  for (int64_t k = 0; i0 + k < n; ++k) one(i0 + k, k);
+  return TOKENS ? 0.f : acc.fold();
 }
 
 std::tuple<at::Tensor, at::Tensor> sde_step_cpu(const at::Tensor& x_t, const at::Tensor& v, const at::Tensor& noise,

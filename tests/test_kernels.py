@@ -947,6 +947,56 @@ def test_cpp_threads_give_the_same_bits_as_one_thread(reduce, patch):
         assert_matches64(got, want.detach(), what=what)
 
 
+def _lanes_sum(sq, chunk=1024, lanes=32):
+    """csrc/sde_common.h's per-sample sum, in numpy float32: each chunk of 1024 elements in 32 lanes
+    (lane k adds the elements k mod 32 in order), the lanes folded pairwise, the chunks added in
+    float64 in order."""
+    import numpy as np
+
+    total = 0.0
+    for c0 in range(0, sq.size, chunk):
+        part = sq[c0 : c0 + chunk]
+        lane = np.zeros(lanes, dtype=np.float32)
+        for r0 in range(0, part.size, lanes):
+            row = part[r0 : r0 + lanes]
+            lane[: row.size] = lane[: row.size] + row  # float32 + float32, rounded per element
+        w = lanes // 2
+        while w:
+            lane[:w] = lane[:w] + lane[w : 2 * w]
+            w //= 2
+        total += float(lane[0])
+    return total
+
+
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+def test_cpp_sums_run_in_the_documented_order_bit_for_bit():
+    """The C++ ops sum a sample's squares in a fixed order (32 lanes a chunk, folded pairwise, chunks
+    in float64): the order is the source's, not the vector width's, so the AVX2 and baseline builds
+    give the same bits and the step op's log-prob is the log-prob op's. A numpy float32 emulation of
+    that order gives every log-prob and KL bit for bit, on a size with a partial chunk and a partial
+    row of lanes (2,101 elements a sample)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    shape = (3, 11, 191)
+    x, v, z, v_ref = (torch.randn(shape, generator=g) for _ in range(4))
+    coef = torch.rand(3, 8, generator=g) + 0.1  # ca, cb, std, lp_scale, lp_const, kl_scale, glp, gkl
+    sample, step_lp = torch.ops.stepfast.sde_step(x, v, z, coef, 0, True)
+    lp, kl, _, _ = torch.ops.stepfast.sde_logprob(x, v, sample, v_ref, coef, 0, False)
+    f32 = np.float32
+    for b in range(3):
+        ca, cb, sd, scale, const, kl_scale = (f32(c) for c in coef[b, :6].tolist())
+        xb, vb, zb, sb, rb = (t[b].reshape(-1).numpy() for t in (x, v, z, sample, v_ref))
+        mean = ca * xb + cb * vb  # float32 products, then a float32 sum: no fused multiply-add
+        assert np.array_equal(sb, mean + sd * zb)
+        d = sb - mean
+        want_lp = f32(float(scale) * _lanes_sum(d * d) + float(const))
+        dv = vb - rb
+        want_kl = f32(float(kl_scale) * _lanes_sum(dv * dv))
+        assert step_lp[b].item() == want_lp and lp[b].item() == want_lp, (b, step_lp[b].item(), lp[b].item(), want_lp)
+        assert kl[b].item() == want_kl, (b, kl[b].item(), want_kl)
+
+
 def test_the_benchmarks_flow_grpo_baseline_computes_what_the_kernels_compute():
     """benchmarks/test_bench_kernels.py times the kernels against Flow-GRPO's eager code
     (tests/flow_grpo_baseline.py): it must be the same step, log-prob, KL and gradient, or the
