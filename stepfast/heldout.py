@@ -30,13 +30,18 @@ from stepfast.models import text_length
 def spread_over_categories(metadata: list[dict], limit: int | None) -> list[dict]:
     """The first `limit` records taken round-robin over categories (in file order within each),
     so that a small limit still covers every category."""
+    return [metadata[i] for i in spread_indices(metadata, limit)]
+
+
+def spread_indices(metadata: list[dict], limit: int | None) -> list[int]:
+    """The indices of the records `spread_over_categories` picks, in its order."""
     if limit is None or limit >= len(metadata):
-        return list(metadata)
-    by_tag: dict[str, list[dict]] = {}
-    for meta in metadata:
-        by_tag.setdefault(meta.get("tag", ""), []).append(meta)
+        return list(range(len(metadata)))
+    by_tag: dict[str, list[int]] = {}
+    for i, meta in enumerate(metadata):
+        by_tag.setdefault(meta.get("tag", ""), []).append(i)
     queues = [by_tag[t] for t in sorted(by_tag, key=lambda t: CATEGORIES.index(t) if t in CATEGORIES else 99)]
-    picked: list[dict] = []
+    picked: list[int] = []
     while len(picked) < limit:
         for queue in queues:
             if queue and len(picked) < limit:

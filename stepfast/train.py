@@ -89,6 +89,7 @@ class EvalSetup(NamedTuple):
     metadata: list[dict]  # the held-out prompts' records, spread over categories up to eval.limit
     plan: list[tuple[dict, int]]  # (record, seed) of every image, prompt-major
     reward: object  # eval.reward, with its reward.options
+    records: list[PromptRecord]  # the lines of eval.prompts that `metadata` holds, in its order
 
 
 class Trainer:
@@ -119,8 +120,9 @@ class Trainer:
         self.pipe = load_policy_pipeline(cfg.model, device)
         check_resolution(self.pipe, cfg.rollout.resolution, "rollout.resolution")  # before anything is written
         if self.main:  # said once; diffusers' notice at every encoding of them is dropped on every rank
-            files = {"rollout.prompts": (cfg.rollout.prompts, self.prompts),
-                     "eval.prompts": (cfg.eval.prompts, prompts.eval)}  # fmt: skip
+            # eval.prompts: the prompts eval.limit draws, which are the ones encoded
+            drawn = self.eval_setup.records if self.eval_setup is not None else None
+            files = {"rollout.prompts": (cfg.rollout.prompts, self.prompts), "eval.prompts": (cfg.eval.prompts, drawn)}
             for warning in cut_prompt_warnings(self.pipe, files):
                 print(f"stepfast: warning: {warning}", file=sys.stderr)
         quiet_truncation_notices(self.pipe)
@@ -401,9 +403,10 @@ class Trainer:
         # spreads the same file
         parse = getattr(reward, "record", None)
         metas = [r.metadata or (dict(parse(r.prompt)) if parse else {"prompt": r.prompt}) for r in records]
-        metas = heldout.spread_over_categories(metas, cfg.eval.limit or None)
+        picked = heldout.spread_indices(metas, cfg.eval.limit or None)
+        metas, records = [metas[i] for i in picked], [records[i] for i in picked]
         check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
-        return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward)
+        return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward, records)
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:
         """ODE sampling with CFG on the held-out prompts, EMA weights when kept. Every rank draws an
@@ -411,7 +414,7 @@ class Trainer:
         done); only rank 0, which writes eval_{tag}.json and the report, gets the images, and only
         when `keep_images`."""
         cfg = self.cfg
-        metas, plan, reward = self.eval_setup  # set at start whenever the config evaluates
+        metas, plan, reward, _ = self.eval_setup  # set at start whenever the config evaluates
         share, real = heldout.shard(plan, self.rank, self.world)
         with self.ema.applied(self.engine.module) if self.ema is not None else contextlib.nullcontext():
             scored = heldout.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg,

@@ -308,11 +308,18 @@ def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     long = "a photo of a red circle next to a green square above a blue triangle and two yellow circles"
     prompts.write_text(f"a photo of a red circle\n{long}\n")
+    # held-out prompts: eval.limit draws the one short prompt, the long one is never encoded, so it is
+    # not said (the warning counts the prompts a run draws)
+    eval_prompts = tmp_path / "eval.txt"
+    eval_prompts.write_text(f"a photo of a circle\n{long}\n")
     cfg = base_config(model_dir, out, iterations=2, optim={"lr": 3e-2, "clip_range": 0.2, "ema": 0.5}, log={"report": False},
-                      rollout={"prompts": str(prompts), "balance_categories": False})  # fmt: skip
+                      rollout={"prompts": str(prompts), "balance_categories": False},
+                      eval={"every": 2, "prompts": str(eval_prompts), "reward": "train_helpers:brightness", "limit": 1,
+                            "seeds": 1, "min_images": 0, "steps": 2})  # fmt: skip
     proc = train(write_config(tmp_path / "cfg.yaml", cfg))
     assert proc.stderr.count("stepfast: warning: rollout.prompts: 1 of 2 prompts are longer than the text encoders "
                              f"take (CLIP 12, T5 12 tokens)") == 1 and f"the first: {prompts}:2 " in proc.stderr  # fmt: skip
+    assert "eval.prompts:" not in proc.stderr and (out / "eval_iter000002.json").exists()
     assert "was truncated because" not in proc.stderr + proc.stdout
     assert "Token indices sequence length" not in proc.stderr + proc.stdout  # transformers' notice, too
     ckpt = out / "checkpoints" / "checkpoint-000002"
