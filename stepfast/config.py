@@ -594,6 +594,13 @@ def _check_numbers(cfg: Config) -> None:
     for key, value in finite.items():
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+    # every advantage would be 0 (adv_clip 0, eps inf), or 0/0 = NaN in a group of equal rewards (eps 0)
+    if not cfg.credit_opts.adv_clip > 0:
+        raise ConfigError(f"credit_opts.adv_clip must be > 0 (0 clips every advantage to 0: nothing trains), got "
+                          f"{cfg.credit_opts.adv_clip}")  # fmt: skip
+    if not (cfg.credit_opts.eps > 0 and math.isfinite(cfg.credit_opts.eps)):
+        raise ConfigError(f"credit_opts.eps must be a finite number > 0 (it keeps a group of equal rewards from "
+                          f"dividing 0 by 0), got {cfg.credit_opts.eps}")  # fmt: skip
     if cfg.seed >= 2**63:
         raise ConfigError(f"seed must be below 2**63 (a 64-bit generator seed), got {cfg.seed}")
     if cfg.sampler == "cps" and cfg.sde.noise_level > 1:
@@ -633,6 +640,9 @@ def _check_model_and_rewards(cfg: Config) -> None:
             raise ConfigError("model.lora_targets is empty: name the modules to adapt, or set model.lora=false")
     if not cfg.reward.weights:
         raise ConfigError("reward.weights is empty: give at least one reward, e.g. reward.weights={shapes: 1.0}")
+    if not any(cfg.reward.weights.values()):
+        raise ConfigError(f"reward.weights are all 0 ({', '.join(cfg.reward.weights)}): every reward, so every "
+                          "advantage, would be 0 and nothing would train")  # fmt: skip
     unused = sorted(set(cfg.reward.options) - set(cfg.reward.weights) - {cfg.eval.reward})
     if unused:
         names = [*cfg.reward.weights, cfg.eval.reward]
@@ -671,7 +681,11 @@ def _check_deepspeed(cfg: Config) -> None:
                                   f"(it holds {'.'.join(keys[depth + 1:])}), got {section[key]!r}")  # fmt: skip
             section = section[key]
     zero = cfg.optim.deepspeed.get("zero_optimization")
-    offload = (zero.get("offload_param") or {}).get("device") if isinstance(zero, dict) else None
+    offload_param = zero.get("offload_param") if isinstance(zero, dict) else None
+    if offload_param is not None and not isinstance(offload_param, dict):
+        raise ConfigError(f"optim.deepspeed.zero_optimization.offload_param must be a mapping (e.g. {{device: cpu}}), "
+                          f"got {offload_param!r}")  # fmt: skip
+    offload = (offload_param or {}).get("device")
     if cfg.optim.ema > 0 and cfg.optim.zero_stage == 3 and offload == "nvme":
         raise ConfigError(
             "optim.ema with ZeRO-3 weights offloaded to NVMe (optim.deepspeed.zero_optimization.offload_param."

@@ -168,6 +168,12 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("eval.prompts=' '", "eval.prompts is empty"),
     ("eval.reward=", "eval.reward is empty"),
     (["eval.every=5", "eval.before_after=false", "eval.prompts="], "eval.prompts is empty"),
+    ("credit_opts.eps=0", "credit_opts.eps must be a finite number > 0"),
+    ("credit_opts.eps=.inf", "credit_opts.eps must be a finite number > 0"),
+    ("credit_opts.adv_clip=0", "credit_opts.adv_clip must be > 0"),
+    ("reward.weights={shapes: 0}", "reward.weights are all 0 (shapes)"),
+    ("optim.deepspeed={zero_optimization: {offload_param: 3}}",
+     "optim.deepspeed.zero_optimization.offload_param must be a mapping (e.g. {device: cpu}), got 3"),
 ])  # fmt: skip
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
