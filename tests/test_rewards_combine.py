@@ -371,3 +371,27 @@ def test_collected_scores_line_up_with_the_images_across_chunks(scorer_class):
     scorer.close()
     if scorer_class == "InlineScorer":  # scored as submitted: the chunks after a failed one are not
         assert len(submit_scores(scorer, images, prompts, metadata, 3)) == 2
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("shapes", {"threshold": "abc"}, "reward 'shapes': option threshold must be a number, got 'abc'"),
+    ("shapes", {"threshold": True}, "option threshold must be a number, got True"),
+    ("shapes", {"exclusive": 3}, "option exclusive must be true or false, got 3"),
+    ("ocr", {"model_dir": 3}, "option model_dir must be text or null, got 3"),
+    ("jpeg_incompressibility", {"quality": 9.5}, "option quality must be a whole number, got 9.5"),
+    ("shapes", {"threshold": 5}, "shapes: threshold (a fraction of 255) must be in (0, 1), got 5"),
+    ("shapes", {"min_area": 0.6}, "must satisfy 0 <= min_area < max_area <= 1, got 0.6 and 0.5"),
+    ("shapes", {"position_threshold": -1}, "position_threshold must be >= 0, got -1"),
+])  # fmt: skip
+def test_an_option_of_the_wrong_type_or_range_is_named_when_the_reward_is_built(name, options, message):
+    """Found when the reward is built (the trainer: at start, a ConfigError), not at the first images:
+    a text threshold was a TypeError from the pixels, a threshold of 5 failed every image silently."""
+    with pytest.raises(ValueError) as err:
+        rewards.load(name, **options)
+    assert message in str(err.value)
+
+
+def test_options_of_the_right_types_pass_the_check():
+    """An int where a float is annotated (YAML reads 1 as one), None where None is allowed."""
+    assert rewards.load("shapes", threshold=0.3, min_area=0, max_area=1, exclusive=False).min_area == 0
+    assert rewards.load("jpeg_compressibility", quality=90, scale=2).scale == 2

@@ -135,6 +135,49 @@ def _check_options(name: str, build, options: dict) -> None:
                 f"factory it needs options ({exc}): give them in reward.options"
             ) from None
         raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
+    hints = _type_hints(build)
+    for key, value in options.items():
+        kind, optional = _plain(hints.get(key))
+        if kind is None or (optional and value is None):
+            continue
+        fits, what = _PLAIN[kind]
+        if not fits(value):
+            raise ValueError(f"reward {name!r}: option {key} must be {what}{' or null' if optional else ''}, "
+                             f"got {value!r}")  # fmt: skip
+
+
+# the plain annotations an option's value is checked against (YAML reads 1 as an int: a float takes it)
+_PLAIN = {
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    str: (lambda v: isinstance(v, str), "text"),
+}
+
+
+def _plain(hint) -> tuple[type | None, bool]:
+    """(the plain type of an annotation, whether it also takes None): `float` -> (float, False),
+    `str | None` -> (str, True); (None, False) for any other annotation (not checked)."""
+    import types
+    import typing
+
+    if hint in _PLAIN:
+        return hint, False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(rest) == 1 and rest[0] in _PLAIN and len(typing.get_args(hint)) == 2:
+            return rest[0], True
+    return None, False
+
+
+def _type_hints(build) -> dict:
+    """The annotations of a reward class's __init__ or of a factory, resolved; {} when they cannot be."""
+    import typing
+
+    try:
+        return typing.get_type_hints(build.__init__ if isinstance(build, type) else build)
+    except Exception:  # an annotation naming what its module does not import: nothing to check against
+        return {}
 
 
 def check_name(name: str) -> None:

@@ -137,6 +137,14 @@ class ShapesReward:
         exclusive: bool = True,
         position_threshold: float = POSITION_THRESHOLD,
     ):
+        # checked here, not at the first image: a threshold of 5 would fail every image without a word
+        if not 0 < threshold < 1:
+            raise ValueError(f"shapes: threshold (a fraction of 255) must be in (0, 1), got {threshold}")
+        if not 0 <= min_area < max_area <= 1:
+            raise ValueError(f"shapes: min_area and max_area (fractions of the image) must satisfy "
+                             f"0 <= min_area < max_area <= 1, got {min_area} and {max_area}")  # fmt: skip
+        if not position_threshold >= 0:
+            raise ValueError(f"shapes: position_threshold must be >= 0, got {position_threshold}")
         self.threshold = threshold
         self.min_area = min_area
         self.max_area = max_area
