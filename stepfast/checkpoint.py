@@ -135,6 +135,10 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+#: Settings a checkpoint's engine state holds the layout of: a run resumed from it must keep them.
+ENGINE_SETTINGS = ("model.lora", "model.lora_rank", "model.lora_targets", "optim.zero_stage", "optim.precision")
+
+
 def check_world(path: Path, world: int) -> None:
     """A ValueError naming checkpoint `path` when it was written by another number of ranks than
     `world` (DeepSpeed writes one optimizer shard per rank, and cannot re-split them), or when its
@@ -175,10 +179,12 @@ def load(path: Path, engine, rank: int) -> dict:
         return torch.load(path / "state.pt", weights_only=False)
     except torch.cuda.OutOfMemoryError:
         raise
-    except (RuntimeError, AssertionError, KeyError, EOFError, pickle.UnpicklingError) as exc:
-        # a truncated file, or weights of another shape: name the checkpoint and the likely cause
+    except (RuntimeError, AssertionError, KeyError, EOFError, FileNotFoundError, pickle.UnpicklingError) as exc:
+        # a truncated file, weights of another shape, or DeepSpeed looking for the files of another
+        # ZeRO stage or precision: name the checkpoint and the likely causes
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ValueError(
             f"checkpoint {path} cannot be loaded into this run ({type(exc).__name__}: {first}); a damaged "
-            "file, or a run with other model settings (model.lora, model.lora_rank, model.lora_targets)"
+            f"file, or a run with other settings than the checkpoint's ({', '.join(ENGINE_SETTINGS)}, or "
+            "another model.path)"
         ) from exc

@@ -219,7 +219,8 @@ def resume_problem(path: Path) -> str | None:
     if not path.is_dir():
         return f"checkpoint {str(path)!r} is a file, not a checkpoint dir (use auto, none or a checkpoint dir)"
     if checkpoint.is_complete(path):
-        return None
+        missing = [name for name in ("engine", "state.pt", "rng") if not (path / name).exists()]
+        return f"{path} is marked complete but has no {' or '.join(missing)} (a damaged checkpoint)" if missing else None
     if (path / "checkpoints").is_dir() or (path / "metrics.csv").exists():
         return (f"{path} is a run's output_dir, not one of its checkpoints: continue its newest with "
                 f"output_dir={path} resume=auto, or name one of {path / 'checkpoints'}/checkpoint-NNNNNN")

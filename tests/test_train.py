@@ -1023,7 +1023,11 @@ def test_changed_settings_are_compared_with_those_the_checkpoints_iterations_ran
     ("engine", [], "is marked complete but has no engine"),
     ("rng", [], "holds optimizer shards of 1 rank(s) and RNG files of ranks none (a damaged checkpoint)"),
     ("truncate", [], "cannot be loaded into this run (RuntimeError"),
-    (None, ["model.lora_rank=8"], "cannot be loaded into this run"),
+    (None, ["model.lora_rank=8"], "the checkpoint was written with other model.lora_rank: 4 -> 8 ({out}/config.yaml)"),
+    (None, ["optim.zero_stage=3"], "the checkpoint was written with other optim.zero_stage: 2 -> 3"),
+    (None, ["optim.precision=bf16"], "the checkpoint was written with other optim.precision: fp32 -> bf16"),
+    ("engine", ["resume={out}/checkpoints/checkpoint-000004"], "checkpoint-000004 is marked complete but has no "
+                                                               "engine (a damaged checkpoint)"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
     (None, ["resume={out}/checkpoints/checkpoint-000002"], "holds a later checkpoint"),
     (None, ["iterations=3"], "iterations=3, but {out}/checkpoints/checkpoint-000004 is at iteration 4: a run "
