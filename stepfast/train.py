@@ -167,6 +167,7 @@ class Trainer:
                                     logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
             self._keep_changed_settings()
+            self._keep_other_config(to_yaml(cfg))
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
@@ -278,6 +279,20 @@ class Trainer:
             kept = f"; the settings before are kept in {until}"
         print(f"stepfast: warning: resumed from {self.resume_from} with other settings than those of {saved}: "
               f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)
+
+    def _keep_other_config(self, text: str) -> None:
+        """A new run's config.yaml replaces a file of that name already in output_dir (a hand-written
+        config given with --config, say, or an attempt's that stopped before a checkpoint with other
+        settings): one that says otherwise is kept first, as config-before-<n>.yaml, and said."""
+        path = self.out / "config.yaml"
+        if self.resume_from is not None or not path.is_file() or path.read_text(errors="replace") == text:
+            return
+        n = 1
+        while (kept := self.out / f"config-before-{n}.yaml").exists():
+            n += 1
+        write_atomically(kept, lambda tmp: tmp.write_bytes(path.read_bytes()))
+        print(f"stepfast: {path} is replaced by this run's settings; the file there before is kept as {kept}",
+              file=sys.stderr)
 
     def _resume_path(self) -> Path | None:
         """The checkpoint this run continues from: none, the newest complete one, or the one named."""

@@ -842,6 +842,21 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path, start):
     assert_unchanged(out, files)
 
 
+def test_a_new_run_keeps_a_config_yaml_it_finds_in_its_output_dir(model_dir, tmp_path):
+    """A hand-written config kept in output_dir and given with --config: the run writes its resolved
+    settings as config.yaml, and keeps the file that was there (its comments with it), once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=1, log={"report": False, "tensorboard": False})
+    own = out / "config.yaml"
+    text = "# my experiment: hand-written notes\n" + yaml.safe_dump(cfg)
+    own.write_text(text)
+    proc = train(own)
+    kept = out / "config-before-1.yaml"
+    assert kept.read_text() == text and proc.stderr.count(f"the file there before is kept as {kept}") == 1
+    assert own.read_text() != text and load_config(str(own)).iterations == 1
+
+
 @pytest.mark.parametrize("target, message", [
     ("{out}", "resume: {out} is a run's output_dir, not one of its checkpoints: continue its newest with "
               "output_dir={out} resume=auto, or name one of {out}/checkpoints/checkpoint-NNNNNN"),
