@@ -263,7 +263,12 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     device = traj.states.device
     stats = UpdateStats()
     steps = traj.trained.nonzero().flatten().tolist()
-    for mb in micro_batches(b, cfg.rollout.micro_batch):
+    batches = micro_batches(b, cfg.rollout.micro_batch)
+    for mb in batches:
+        # every sample weighs alike: DeepSpeed averages the micro-steps, each loss a mean over its own
+        # samples, so a last micro-batch smaller than the others (micro_batch not dividing the rank's
+        # samples) is scaled by its size over the mean size (1 when they are equal)
+        weight = (mb.stop - mb.start) * len(batches) / b
         c = cond.select(mb)
         for j in steps:
             x = traj.states[j, mb]
@@ -281,7 +286,7 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
             step = grpo_step_loss(out.log_prob, traj.log_probs[j, mb], adv[mb, j].to(device),
                                   clip_range=cfg.optim.clip_range, adv_clip=cfg.credit_opts.adv_clip,
                                   kl=out.kl, beta=cfg.optim.beta)  # fmt: skip
-            engine.backward(step.loss)
+            engine.backward(step.loss if weight == 1 else step.loss * weight)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:

@@ -74,6 +74,31 @@ def test_update_gradient_is_minus_advantage_times_grad_log_prob(tmp_path):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
 
 
+def test_every_sample_weighs_alike_when_the_micro_batches_differ_in_size(tmp_path):
+    """3 samples in micro-batches of 2 and 1: a plain mean per micro-step would give the third sample
+    the weight of the other two together. The engine sums the micro-steps (DeepSpeed then divides by
+    their number), so the update must take 2 x the gradient of the mean over all 3 samples."""
+    cfg, pipe, cond, traj = rollout(tmp_path, members=3, clip_range=0.2)
+    grid = traj.grid
+    trained = traj.trained.nonzero().flatten().tolist()
+    adv = torch.randn(3, cfg.sde.steps, generator=torch.Generator().manual_seed(2))
+    grpo.update(Engine(pipe.transformer), cond, traj, adv, cfg)
+    got = [p.grad.clone() for p in pipe.transformer.parameters()]
+    pipe.transformer.zero_grad()
+    for j in trained:
+        lp = []
+        for mb in (slice(0, 2), slice(2, 3)):  # the model's forward on the update's micro-batches: the same rounding
+            t, s = grid[j].expand(mb.stop - mb.start), grid[j + 1].expand(mb.stop - mb.start)
+            v = velocity(pipe.transformer, traj.states[j, mb], t, cond.select(mb), cfg.rollout.cfg)
+            lp.append(sde_logprob(cfg.sampler, traj.states[j, mb], v, t, s, traj.states[j + 1, mb],
+                                  eta=cfg.sde.eta).log_prob)  # fmt: skip
+        (-2 * (adv[:, j] * torch.cat(lp)).mean()).backward()
+    want = [p.grad for p in pipe.transformer.parameters()]
+    assert any(w.abs().sum() > 0 for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
 class SteppingEngine(Engine):
     """An engine whose every backward is an accumulation boundary: an SGD step on each, with a known
     gradient norm per step."""
