@@ -2,19 +2,21 @@
 
 Each check fails with a ConfigError that names the setting at fault (a file and line for a prompt):
 `check_reward_names` from the configuration alone; `check_before_start` from the files it names
-(output_dir, resume, model.path, the prompt files, the rewards' local paths), before the process
-group starts; `check_prompts` and `check_servers` once the rewards are built, before the model is
-loaded. `stepfast/train.py` calls them in that order.
+(output_dir, resume, model.path and the iteration its scheduler lays out, the prompt files, the
+rewards' local paths), before the process group starts; `check_prompts` and `check_servers` once
+the rewards are built, before the model is loaded. `stepfast/train.py` calls them in that order.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from stepfast import checkpoint, rewards
+from stepfast import checkpoint, grpo, rewards, sde
 from stepfast.config import ConfigError
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.files import check_creatable_dir
@@ -162,9 +164,16 @@ def check_before_start(cfg) -> PromptFiles:
     whose paths are all elsewhere on this machine is fixed in one go."""
     errors = []
     try:
-        check_pipeline_dir(resolve_model_path(cfg.model.path))
+        model_dir = resolve_model_path(cfg.model.path)
+        check_pipeline_dir(model_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         errors.append(f"model.path: {exc}")
+    else:  # the steps trained depend on the model's time grid (its scheduler's shift)
+        shift = scheduler_shift(model_dir)
+        if shift is not None:
+            steps = grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=shift))
+            if problem := iteration_problem(cfg, steps, int(os.environ.get("WORLD_SIZE", "1"))):
+                errors.append(problem)
     prompt_files = {"rollout.prompts": cfg.rollout.prompts}
     if cfg.eval.enabled:
         prompt_files["eval.prompts"] = cfg.eval.prompts
@@ -197,6 +206,42 @@ def check_before_start(cfg) -> PromptFiles:
     if errors:
         raise ConfigError(f"{len(errors)} settings name what cannot be used here:\n  " + "\n  ".join(errors))
     return PromptFiles(read["rollout.prompts"], read.get("eval.prompts"))
+
+
+def scheduler_shift(model_dir: Path) -> float | None:
+    """The time-grid shift of the pipeline's scheduler (its scheduler_config.json; 3.0, SD3's, when
+    it sets none, as the trainer reads it), or None when the file cannot be read: loading names that."""
+    try:
+        config = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
+        return float(config.get("shift", 3.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def iteration_problem(cfg, steps: list[int], world: int) -> str | None:
+    """What keeps an iteration from being laid out on `world` ranks with the trained `steps` (see
+    grpo.trained_steps): no step trained, samples that do not split over the ranks, or
+    optim.updates_per_iteration not dividing the backward passes; None when it can be."""
+    if not steps:
+        return (
+            f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window}, "
+            f"sde.min_std={cfg.sde.min_std} and sde.timestep_fraction={cfg.sde.timestep_fraction} trains no "
+            "step (every step is an ODE step, has a smaller std, or comes after the fraction trained)"
+        )
+    total = cfg.rollout.groups * cfg.rollout.group_size
+    if total % world:
+        return (f"rollout.groups x rollout.group_size = {cfg.rollout.groups} x {cfg.rollout.group_size} = {total} "
+                f"samples do not split evenly over {world} ranks")  # fmt: skip
+    per_rank = total // world
+    micro = len(grpo.micro_batches(per_rank, cfg.rollout.micro_batch))
+    calls = len(steps) * micro
+    if calls % cfg.optim.updates_per_iteration:
+        return (
+            f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the {calls} backward "
+            f"passes of an iteration: {len(steps)} trained steps x {micro} micro-batch(es) of "
+            f"rollout.micro_batch={cfg.rollout.micro_batch} from this rank's {per_rank} samples; change one of them"
+        )
+    return None
 
 
 def run_in_the_way(out: Path) -> str | None:

@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings,
+    check_servers, cut_prompt_warnings, iteration_problem,
 )
 
 
@@ -186,24 +186,11 @@ class Trainer:
 
     def _backward_calls(self, steps: list[int]) -> int:
         """Backward passes per iteration and rank (trained steps x micro-batches); a ConfigError when
-        no step is trained or optim.updates_per_iteration does not divide them."""
-        cfg = self.cfg
-        if not steps:
-            raise ConfigError(
-                f"sampler {cfg.sampler!r} with sde.steps={cfg.sde.steps}, sde.window={cfg.sde.window}, "
-                f"sde.min_std={cfg.sde.min_std} and sde.timestep_fraction={cfg.sde.timestep_fraction} trains no "
-                "step (every step is an ODE step, has a smaller std, or comes after the fraction trained)"
-            )
-        micro = len(grpo.micro_batches(self.sampler.per_rank, cfg.rollout.micro_batch))
-        calls = len(steps) * micro
-        if calls % cfg.optim.updates_per_iteration:
-            raise ConfigError(
-                f"optim.updates_per_iteration={cfg.optim.updates_per_iteration} must divide the {calls} backward "
-                f"passes of an iteration: {len(steps)} trained steps x {micro} micro-batch(es) of "
-                f"rollout.micro_batch={cfg.rollout.micro_batch} from this rank's {self.sampler.per_rank} samples; "
-                "change one of them"
-            )
-        return calls
+        no step is trained or optim.updates_per_iteration does not divide them (found at start from
+        the model's scheduler config; here from the pipeline loaded)."""
+        if problem := iteration_problem(self.cfg, steps, self.world):
+            raise ConfigError(problem)
+        return len(steps) * len(grpo.micro_batches(self.sampler.per_rank, self.cfg.rollout.micro_batch))
 
     def _print_setup(self, steps: list[int]) -> None:
         """Where the work runs (a CUDA graph capture that fails warns and runs eagerly), and warnings

@@ -1067,14 +1067,11 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
 
 @pytest.mark.parametrize("overrides, message", [
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
-    (["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 and sde.timestep_fraction=1.0 trains no step"),
     (["optim.deepspeed={amp: {enabled: true}}"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
      "optim.precision=fp32, optim.deepspeed={'amp': {'enabled': True}}): NVIDIA Apex AMP integration has been removed"),
     (["rollout.resolution=72"], "rollout.resolution=72: this model draws images whose side is a multiple of 8 px "
      "up to 64 px"),  # its position embedding holds 8 x 8 patches
     (["rollout.resolution=60"], "rollout.resolution=60: this model draws images whose side is a multiple of 8 px"),
-    (["optim.updates_per_iteration=4"], "optim.updates_per_iteration=4 must divide the 6 backward passes of an "
-     "iteration: 3 trained steps x 2 micro-batch(es) of rollout.micro_batch=4 from this rank's 8 samples"),
     (["reward.weights={remote: 1.0}", "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], "
       "retries: 0}}"], "reward.options.remote: reward server http://127.0.0.1:9 failed after 1 attempt(s)"),
     (["reward.weights={remote: 1.0}", "reward.options={remote: {url: '127.0.0.1:9', rewards: [shapes]}}"],
@@ -1092,6 +1089,27 @@ def test_settings_that_cannot_run_are_named_at_start(model_dir, tmp_path, overri
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "run" / "config.yaml").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (1, ["sde.steps=2", "sde.min_std=0.5"], "sde.min_std=0.5 and sde.timestep_fraction=1.0 trains no step"),
+    (1, ["sde.eta=0"], "sampler 'ddim' with sde.steps=5"),
+    (1, ["optim.updates_per_iteration=4"], "optim.updates_per_iteration=4 must divide the 6 backward passes of an "
+     "iteration: 3 trained steps x 2 micro-batch(es) of rollout.micro_batch=4 from this rank's 8 samples"),
+    (3, [], "rollout.groups x rollout.group_size = 2 x 4 = 8 samples do not split evenly over 3 ranks"),
+    (2, ["optim.updates_per_iteration=2"], "optim.updates_per_iteration=2 must divide the 3 backward passes"),
+])  # fmt: skip
+def test_an_iteration_that_cannot_be_laid_out_is_named_before_the_process_group(model_dir, tmp_path, start, monkeypatch,
+                                                                               world, overrides, message):
+    """The steps trained (the model's time grid: its scheduler's shift), the ranks' shares of the samples
+    and the optimizer steps' shares of the backward passes are known from the files: refused before the
+    process group and the model load, by the launcher's world size."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
+    code, err = start(config, *overrides)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
