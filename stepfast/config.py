@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 import types
 import typing
@@ -487,8 +488,32 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(cfg, key, value, raw=text.partition("=")[2])
+    _expand_home(cfg)
     validate(cfg)
     return cfg
+
+
+#: The keys that name a file or folder: `~` there is the home folder, as a shell expands it in
+#: `output_dir=~/runs` but not in `model.path=~/models` (it expands only a word's start).
+PATH_KEYS = ("output_dir", "resume", "model.path", "rollout.prompts", "eval.prompts")
+
+
+def _expand_home(cfg: Config) -> None:
+    for key in PATH_KEYS:
+        value = _get_dotted(cfg, key)
+        if isinstance(value, str) and value.startswith("~"):
+            try:
+                _set_path(cfg, key, os.path.expanduser(value))
+            except RuntimeError:  # no home folder to expand to: the path is named as given
+                pass
+
+
+def _set_path(cfg: Config, key: str, value: str) -> None:
+    *sections, last = key.split(".")
+    target = cfg
+    for section in sections:
+        target = getattr(target, section)
+    setattr(target, last, value)
 
 
 #: The choices of the enumerated keys (config imports nothing of stepfast; a test checks that these

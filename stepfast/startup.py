@@ -281,8 +281,9 @@ def missing_reward_paths(cfg) -> list[str]:
     for reward, options in cfg.reward.options.items():
         if reward not in used or not isinstance(options, dict):
             continue
+        expanded = rewards.expand_home(reward, options)
         for key in rewards.LOCAL_PATH_OPTIONS.get(reward, ()):
-            value = options.get(key)
+            value = expanded.get(key)
             if isinstance(value, str) and value and not Path(value).exists():
                 out.append(f"reward.options.{reward}.{key}: {value} does not exist")
     return out

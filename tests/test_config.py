@@ -529,3 +529,23 @@ def test_the_readme_key_table_gives_the_code_defaults():
                 assert actual == (shown if isinstance(actual, str) else yaml.safe_load(shown)), (key, shown, actual)
             checked += 1
     assert checked >= 35
+
+
+def test_a_home_folder_in_a_path_setting_is_expanded(monkeypatch, tmp_path):
+    """A shell expands `output_dir=~/runs` but not `model.path=~/models` (only a word's start): every
+    path setting reads `~` as the home folder, as the reward options that name local files do."""
+    from stepfast import rewards
+    from stepfast.startup import missing_reward_paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config("default", ["output_dir=~/runs/a", "model.path=~/models/sd3", "rollout.prompts=~/p.txt",
+                                  "eval.prompts=~/e.txt", "resume=~/runs/a/checkpoints/checkpoint-000010"])  # fmt: skip
+    assert (cfg.output_dir, cfg.model.path, cfg.rollout.prompts, cfg.eval.prompts, cfg.resume) == (
+        f"{tmp_path}/runs/a", f"{tmp_path}/models/sd3", f"{tmp_path}/p.txt", f"{tmp_path}/e.txt",
+        f"{tmp_path}/runs/a/checkpoints/checkpoint-000010")  # fmt: skip
+    assert rewards.with_device("pickscore", {"path": "~/ps", "divisor": 26}, "cpu") == {
+        "path": f"{tmp_path}/ps", "divisor": 26, "device": "cpu"}  # fmt: skip
+    (tmp_path / "ps").mkdir()
+    cfg = load_config("sd3_medium_pickscore", ["reward.options.pickscore.path=~/ps",
+                                               "reward.options.pickscore.processor_path=~/nothing"])  # fmt: skip
+    assert missing_reward_paths(cfg) == [f"reward.options.pickscore.processor_path: {tmp_path}/nothing does not exist"]

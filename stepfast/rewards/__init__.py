@@ -231,9 +231,25 @@ def with_device(name: str, options: dict | None, device) -> dict:
     """`options` for reward `name`, with device=`device` added when its class or factory takes a
     device and the options do not set one: a model reward then runs where the policy runs (each
     rank's own GPU) instead of its default, the CPU."""
-    options = dict(options or {})
+    options = expand_home(name, options)
     if "device" not in options and takes_option(name, "device"):
         options["device"] = str(device)
+    return options
+
+
+def expand_home(name: str, options: dict | None) -> dict:
+    """`options` for reward `name` with `~` expanded in its local-path options (LOCAL_PATH_OPTIONS),
+    as a shell would not in `reward.options.pickscore.path=~/models/...`."""
+    import os
+
+    options = dict(options or {})
+    for key in LOCAL_PATH_OPTIONS.get(name, ()):
+        value = options.get(key)
+        if isinstance(value, str) and value.startswith("~"):
+            try:
+                options[key] = os.path.expanduser(value)
+            except RuntimeError:  # no home folder: the path is named as given
+                pass
     return options
 
 
