@@ -195,11 +195,29 @@ def test_load_pipeline_names_the_component_that_is_missing_or_damaged(tmp_path):
     shutil.rmtree(no_encoder / "text_encoder_2")  # not one of the five that were checked before
     with pytest.raises(ValueError, match=r"model_index.json lists \['text_encoder_2'\] but those subfolders"):
         load_pipeline(no_encoder)
+    # found by check_pipeline_dir (the trainer's start checks), before any component loads
     empty = shutil.copytree(good, tmp_path / "empty_transformer")
     for file in (empty / "transformer").iterdir():
         file.unlink()
-    with pytest.raises(ValueError, match=f"cannot load the pipeline in {empty}: .*config.json.*transformer"):
-        load_pipeline(empty)
+    with pytest.raises(ValueError, match=rf"{empty}: a component is incomplete \(transformer/ has no config.json\)"):
+        check_pipeline_dir(empty)
+    partial = shutil.copytree(good, tmp_path / "partial")
+    (partial / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    (partial / "scheduler" / "scheduler_config.json").unlink()
+    for file in (partial / "tokenizer_3").iterdir():
+        file.unlink()
+    with pytest.raises(ValueError) as err:
+        check_pipeline_dir(partial)
+    assert str(err.value) == (
+        f"{partial}: a component is incomplete (scheduler/ has no scheduler_config.json; tokenizer_3/ has no "
+        "tokenizer files (tokenizer_config.json, tokenizer.json, vocab.json, spiece.model); vae/ has no weights "
+        "(*.safetensors or *.bin)): a partial download or copy?"
+    )
+    # a file diffusers cannot read is still named by the load
+    damaged = shutil.copytree(good, tmp_path / "damaged")
+    (damaged / "transformer" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"cannot load the pipeline in {damaged}"):
+        load_pipeline(damaged)
 
 
 def test_a_lora_of_another_model_is_named_with_one_mismatch(tmp_path):

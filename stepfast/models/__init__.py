@@ -55,7 +55,29 @@ def check_pipeline_dir(path: str | Path) -> Path:
     ]  # fmt: skip
     if missing:
         raise ValueError(f"{path}: model_index.json lists {missing} but those subfolders are missing")
+    incomplete = [
+        f"{name}/ has no {lack}"
+        for name, entry in spec.items()
+        if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None
+        and (lack := _component_lack(path / name, name))
+    ]  # fmt: skip
+    if incomplete:
+        raise ValueError(f"{path}: a component is incomplete ({'; '.join(incomplete)}): a partial download or copy?")
     return path
+
+
+def _component_lack(folder: Path, name: str) -> str | None:
+    """What a component folder of a pipeline lacks for diffusers to load it, or None: a scheduler
+    its scheduler_config.json, a tokenizer any of its files, a model its config.json and weights."""
+    if name == "scheduler":
+        return None if (folder / "scheduler_config.json").is_file() else "scheduler_config.json"
+    if name.startswith("tokenizer"):
+        files = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "spiece.model")
+        return None if any((folder / f).is_file() for f in files) else f"tokenizer files ({', '.join(files)})"
+    if not (folder / "config.json").is_file():
+        return "config.json"
+    weights = [*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.index.json")]
+    return None if weights else "weights (*.safetensors or *.bin)"
 
 
 def load_pipeline(path: str | Path = EMBEDDED_MODEL, dtype: torch.dtype = torch.float32, device=None):
