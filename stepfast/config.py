@@ -411,12 +411,23 @@ def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) ->
                 # a reward named by import path has dots of its own (reward.options.pkg.mod:Cls.device)
                 names = set(current) | ({*cfg.reward.weights, cfg.eval.reward} if obj is cfg.reward else set())
                 keys = _split_known(parts[i + 1 :], names)
+                if keys == parts[i + 1 :]:  # no name it knows: one given by import path, module dots joined
+                    keys = _split_import_path(keys)
                 new = _set_in(current, keys, value, where)
                 setattr(obj, part, _coerce(new, _type_hints(type(obj))[part], where))
                 return
             if not dataclasses.is_dataclass(current):
                 raise ConfigError(f"config key {where!r} is a value, not a section")
             obj = current
+
+
+def _split_import_path(keys: list[str]) -> list[str]:
+    """`keys` with the parts of an import path "pkg.mod:attr" joined back (up to the part that holds
+    the colon): reward.options.pkg.mod:Cls.device -> [pkg.mod:Cls, device]; unchanged without one."""
+    for j, key in enumerate(keys):
+        if ":" in key:
+            return [".".join(keys[: j + 1]), *keys[j + 1 :]]
+    return keys
 
 
 def _split_known(keys: list[str], names) -> list[str]:

@@ -168,6 +168,8 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("eval.prompts=' '", "eval.prompts is empty"),
     ("eval.reward=", "eval.reward is empty"),
     (["eval.every=5", "eval.before_after=false", "eval.prompts="], "eval.prompts is empty"),
+    ("reward.options.pkg.mod:Cls.device=cpu", "reward.options.pkg.mod:Cls: 'pkg.mod:Cls' is neither a reward in "
+                                              "reward.weights nor eval.reward"),
     ("credit_opts.eps=0", "credit_opts.eps must be a finite number > 0"),
     ("credit_opts.eps=.inf", "credit_opts.eps must be a finite number > 0"),
     ("credit_opts.adv_clip=0", "credit_opts.adv_clip must be > 0"),
@@ -549,3 +551,12 @@ def test_a_home_folder_in_a_path_setting_is_expanded(monkeypatch, tmp_path):
     cfg = load_config("sd3_medium_pickscore", ["reward.options.pickscore.path=~/ps",
                                                "reward.options.pickscore.processor_path=~/nothing"])  # fmt: skip
     assert missing_reward_paths(cfg) == [f"reward.options.pickscore.processor_path: {tmp_path}/nothing does not exist"]
+
+
+def test_a_reward_named_by_import_path_keeps_its_dots_in_an_override():
+    """reward.weights.pkg.mod:Cls=1 names the reward pkg.mod:Cls (its module's dots are not sections),
+    and so does reward.options.pkg.mod:Cls.<option> before the reward is weighted."""
+    cfg = load_config("default", ["reward.weights.train_helpers.sub:Brightness=0.5",
+                                  "reward.options.train_helpers.sub:Brightness.scale=2"])  # fmt: skip
+    assert cfg.reward.weights == {"shapes": 1.0, "train_helpers.sub:Brightness": 0.5}
+    assert cfg.reward.options == {"train_helpers.sub:Brightness": {"scale": 2}}
