@@ -360,6 +360,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is int and isinstance(value, (float, str)):  # iterations=1e3: YAML's float, or its string (no dot)
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and number.is_integer():
+            return int(number)
+        if number is not None:
+            raise ConfigError(f"{where}: expected a whole number, got {value!r}")
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
     return value

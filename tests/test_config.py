@@ -89,6 +89,13 @@ def test_a_key_that_holds_text_keeps_what_was_typed_on_the_command_line():
     assert load_config("default", ["output_dir=runs/007"]).output_dir == "runs/007"
     with pytest.raises(ConfigError, match="iterations: expected int"):
         load_config("default", ["iterations=abc"])
+    # a whole number written as a float (YAML reads 1e3 as text, 1.0e3 as a float) counts as one
+    assert load_config("default", ["iterations=1e3", "rollout.groups=4.0"]).iterations == 1000
+    for bad in ("iterations=1.5", "iterations=2.5e0"):
+        with pytest.raises(ConfigError, match="iterations: expected a whole number, got "):
+            load_config("default", [bad])
+    with pytest.raises(ConfigError, match="iterations: expected a whole number"):
+        load_config("default", ["iterations=.inf"])
     with pytest.raises(ConfigError, match="output_dir: expected str"):  # a list is not text
         load_config("default", ["output_dir=[1, 2]"])
 
