@@ -759,4 +759,10 @@ def config_warnings(cfg: Config, trained: list[int] | None = None) -> list[str]:
             "noise, so the reward of their first estimate differs and their gains no longer sum to the "
             "group-relative final reward; set rollout.same_latent=true unless that is the ablation you want"
         )
+    if cfg.optim.warmup > cfg.iterations:
+        out.append(f"optim.warmup={cfg.optim.warmup} is longer than iterations={cfg.iterations}: the learning rate "
+                   f"never reaches optim.lr={cfg.optim.lr:g}")  # fmt: skip
+    if cfg.eval.every > cfg.iterations:
+        out.append(f"eval.every={cfg.eval.every} is longer than iterations={cfg.iterations}: no evaluation runs "
+                   "during training")  # fmt: skip
     return out

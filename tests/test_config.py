@@ -408,6 +408,15 @@ def test_stepwise_credit_without_shared_noise_is_warned_about():
     assert config_warnings(load_config("default", ["credit=flow_grpo", "rollout.same_latent=false"])) == []
 
 
+def test_a_warmup_or_an_evaluation_interval_past_the_run_is_warned_about():
+    from stepfast.config import config_warnings
+
+    assert config_warnings(load_config("default", ["optim.warmup=40", "eval.every=40"])) == []  # reached at the end
+    first, second = config_warnings(load_config("default", ["optim.warmup=50", "eval.every=41"]))
+    assert first == "optim.warmup=50 is longer than iterations=40: the learning rate never reaches optim.lr=0.001"
+    assert second == "eval.every=41 is longer than iterations=40: no evaluation runs during training"
+
+
 def test_training_the_last_step_is_warned_about():
     """Flow-GRPO never trains the t_1 -> 0 step; flow_sde trains it when sde.timestep_fraction keeps
     it and sde.min_std is below its std (0.0063 at noise level 0.7), and the warning names the
