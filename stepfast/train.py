@@ -39,7 +39,7 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
     check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, quiet_loading_bars,
-    quiet_truncation_notices, save_lora, save_transformer,
+    quiet_truncation_notices, resolve_model_path, save_lora, save_transformer,
 )
 from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem,
+    check_servers, cut_prompt_warnings, iteration_problem, scheduler_shift,
 )
 
 
@@ -540,6 +540,25 @@ def main(argv=None) -> int:
         return 130
 
 
+def print_config_warnings(cfg) -> list[str]:
+    """The warnings a run would print at start, for --print-config: with the steps trained when the
+    model's scheduler config can be read (the grid's shift), and the DeepSpeed settings the installed
+    DeepSpeed would not read when optim.deepspeed sets any."""
+    trained = None
+    try:
+        shift = scheduler_shift(resolve_model_path(cfg.model.path))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        shift = None
+    if shift is not None:
+        trained = grpo.trained_steps(cfg, sd3_time_grid(cfg.sde.steps, shift=shift))
+    warnings = config_warnings(cfg, trained)
+    if cfg.optim.deepspeed:
+        from stepfast.engine import unread_settings
+
+        warnings += unread_settings(cfg.optim, cfg.rollout.micro_batch, 1)  # top-level keys: any accumulation
+    return warnings
+
+
 def _start_error(exc: Exception) -> int:
     """A refusal before the process group: every rank of a node reads the same config and files, so
     the node's first rank says it (a launcher's ranks said it once each); exit 2. The others wait a
@@ -561,7 +580,7 @@ def _main(argv=None) -> int:
         return _start_error(exc)
     if args.print_config:
         print(to_yaml(cfg), end="")
-        for warning in config_warnings(cfg):  # those the steps trained decide need the model: at start
+        for warning in print_config_warnings(cfg):
             print(f"stepfast: warning: {warning}", file=sys.stderr)
         return 0
     try:  # on every rank, before the process group (and a build of its op) and the model

@@ -344,6 +344,13 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
     assert "settings are given as key=value, without dashes" in capsys.readouterr().err
     assert main(["--print-config", "reward.weights={pickscor: 1.0}"]) == 2  # and a mistyped reward
     assert "reward.weights.pickscor: unknown reward 'pickscor' (did you mean 'pickscore'?)" in capsys.readouterr().err
+    # the warnings a run gives at start that need the model's time grid (read from its scheduler config)
+    # or the installed DeepSpeed
+    assert main(["--print-config", "sampler=flow_sde", "sde.min_std=0", "sde.timestep_fraction=1",
+                 "optim.deepspeed={zero_optimisation: {stage3_gather_16bit_weights_on_model_save: true}}"]) == 0
+    err = capsys.readouterr().err
+    assert "stepfast: warning: sampler=flow_sde trains the last step" in err
+    assert "optim.deepspeed.zero_optimisation is not a setting DeepSpeed" in err and "(did you mean zero_optimization?)" in err
 
 
 def test_kl_penalty_needs_lora():
