@@ -799,7 +799,7 @@ def test_an_eval_reward_that_is_also_trained_on_is_loaded_once():
     from stepfast.startup import build_eval_reward, build_reward
 
     cfg = load_config("default", ["reward.weights={shapes: 1.0, jpeg_compressibility: 0.1}", "eval.reward=shapes",
-                                  "reward.options={shapes: {min_area: 5}}"])  # fmt: skip
+                                  "reward.options={shapes: {min_area: 0.01}}"])  # fmt: skip
     train_reward = build_reward(cfg, torch.device("cpu"))
     assert build_eval_reward(cfg, torch.device("cpu"), train_reward) is train_reward.rewards["shapes"]
     cfg.eval.reward = "jpeg_incompressibility"  # not trained on: its own
