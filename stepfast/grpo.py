@@ -230,11 +230,12 @@ class UpdateStats:
 
     totals: dict[str, float] = field(default_factory=dict)
     count: int = 0
+    weight: float = 0.0  # the micro-steps' weights summed (each its samples over the mean micro-batch's)
     first: dict[str, float] = field(default_factory=dict)  # the first micro-step's ratios (on-policy: exactly 1)
     grad_norms: list[float] = field(default_factory=list)
 
-    def add(self, values: dict[str, float]) -> None:
-        """One micro-step's statistics."""
+    def add(self, values: dict[str, float], weight: float = 1.0) -> None:
+        """One micro-step's statistics; its means count by `weight`, as its loss does in the update."""
         if not self.first:
             self.first = {k: values[k] for k in ("ratio_mean", "ratio_min", "ratio_max")}
         for k, val in values.items():
@@ -243,11 +244,12 @@ class UpdateStats:
             elif k.endswith("_max"):
                 self.totals[k] = max(self.totals.get(k, val), val)
             else:
-                self.totals[k] = self.totals.get(k, 0.0) + val
+                self.totals[k] = self.totals.get(k, 0.0) + (val if weight == 1 else weight * val)
         self.count += 1
+        self.weight += weight
 
     def summary(self) -> dict[str, float]:
-        out = {k: v / max(self.count, 1) for k, v in self.totals.items() if not k.endswith(("_min", "_max"))}
+        out = {k: v / (self.weight or 1) for k, v in self.totals.items() if not k.endswith(("_min", "_max"))}
         out.update({k: v for k, v in self.totals.items() if k.endswith(("_min", "_max"))})
         out.update({f"first_{k}": v for k, v in self.first.items()})
         if self.grad_norms:
@@ -266,8 +268,8 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     batches = micro_batches(b, cfg.rollout.micro_batch)
     for mb in batches:
         # every sample weighs alike: DeepSpeed averages the micro-steps, each loss a mean over its own
-        # samples, so a last micro-batch smaller than the others (micro_batch not dividing the rank's
-        # samples) is scaled by its size over the mean size (1 when they are equal)
+        # samples, so when micro_batch does not divide the rank's samples (a smaller last micro-batch)
+        # each micro-batch's loss is scaled by its size over the mean size (1 when they are equal)
         weight = (mb.stop - mb.start) * len(batches) / b
         c = cond.select(mb)
         for j in steps:
@@ -295,7 +297,7 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
                     stats.grad_norms.append(float(norm))
                 if ema is not None:
                     ema.update(engine.module)
-            stats.add(step.stats())
+            stats.add(step.stats(), weight)
     return stats
 
 

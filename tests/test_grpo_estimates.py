@@ -244,3 +244,14 @@ def test_update_stats_average_over_micro_steps_and_keep_extremes_and_the_first()
     assert stats.summary() == pytest.approx({"loss": 2.0, "ratio_mean": (2.0 + 2.0 + 2.15) / 6, "ratio_min": 0.9,
                                              "ratio_max": 1.2, "first_ratio_mean": 1.0, "first_ratio_min": 1.0,
                                              "first_ratio_max": 1.0, "grad_norm": 2.0})  # fmt: skip
+
+
+def test_update_stats_weigh_micro_steps_as_the_loss_does():
+    """Micro-batches of 3, 3 and 2 samples weigh 9/8, 9/8 and 6/8 in the update's loss: the logged
+    means are of the samples, not of the micro-steps; extremes and the first micro-step stay as they are."""
+    stats = grpo.UpdateStats()
+    for loss, weight in ((1.0, 9 / 8), (1.0, 9 / 8), (3.0, 6 / 8)):
+        stats.add({"loss": loss, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": loss}, weight)
+    summary = stats.summary()
+    assert summary["loss"] == pytest.approx((3 * 1.0 + 3 * 1.0 + 2 * 3.0) / 8) and stats.count == 3
+    assert summary["ratio_max"] == 3.0 and summary["first_ratio_max"] == 1.0
