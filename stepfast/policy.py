@@ -44,6 +44,13 @@ class PromptEmbeddings:
         return self.map(lambda x: x[index])
 
 
+def grid_shift(scheduler_config) -> float:
+    """The shift of the SD3 time grid (stepfast.sde.sd3_time_grid) that a pipeline's scheduler config
+    gives, as diffusers built it (its class's defaults filled in); 3.0, SD3's, for a scheduler that has
+    none. The trainer's grid and the start checks' both come from here."""
+    return float(scheduler_config.get("shift", 3.0))
+
+
 def resolve_model_path(path: str) -> str:
     return EMBEDDED_MODEL if path == "embedded" else path
 

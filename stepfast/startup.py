@@ -21,7 +21,7 @@ from stepfast.config import ConfigError
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.files import check_creatable_dir
 from stepfast.models import check_pipeline_dir
-from stepfast.policy import cut_prompts, resolve_model_path, token_limits
+from stepfast.policy import cut_prompts, grid_shift, resolve_model_path, token_limits
 from stepfast.rewards import PromptError
 
 
@@ -209,12 +209,16 @@ def check_before_start(cfg) -> PromptFiles:
 
 
 def scheduler_shift(model_dir: Path) -> float | None:
-    """The time-grid shift of the pipeline's scheduler (its scheduler_config.json; 3.0, SD3's, when
-    it sets none, as the trainer reads it), or None when the file cannot be read: loading names that."""
+    """The time-grid shift of the pipeline's scheduler, read as the trainer reads it from the loaded
+    pipeline (`policy.grid_shift` of the config diffusers builds: the class's default where
+    scheduler_config.json sets none), or None when it cannot be read: loading the pipeline names that."""
     try:
-        config = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
-        return float(config.get("shift", 3.0))
-    except (OSError, ValueError, TypeError, AttributeError):
+        import diffusers
+
+        _, name = json.loads((Path(model_dir) / "model_index.json").read_text())["scheduler"]
+        cls = getattr(diffusers, name)
+        return grid_shift(cls.from_config(cls.load_config(Path(model_dir) / "scheduler")).config)
+    except Exception:  # noqa: BLE001 (an unreadable or unknown scheduler: the load says what it is)
         return None
 
 

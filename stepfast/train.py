@@ -38,7 +38,7 @@ from stepfast.files import write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
-    check_resolution, decode, encode_prompts, latent_shape, load_policy_pipeline, quiet_loading_bars,
+    check_resolution, decode, encode_prompts, grid_shift, latent_shape, load_policy_pipeline, quiet_loading_bars,
     quiet_truncation_notices, resolve_model_path, save_lora, save_transformer,
 )
 from stepfast.report import eval_tag
@@ -139,7 +139,7 @@ class Trainer:
             for warning in cut_prompt_warnings(self.pipe, files):
                 print(f"stepfast: warning: {warning}", file=sys.stderr)
         quiet_truncation_notices(self.pipe)
-        self.grid = sd3_time_grid(cfg.sde.steps, shift=float(self.pipe.scheduler.config.get("shift", 3.0)))
+        self.grid = sd3_time_grid(cfg.sde.steps, shift=grid_shift(self.pipe.scheduler.config))
         steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)
         accumulation = backward_calls // cfg.optim.updates_per_iteration

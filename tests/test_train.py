@@ -1112,6 +1112,23 @@ def test_an_iteration_that_cannot_be_laid_out_is_named_before_the_process_group(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("shift", [None, 2.0])
+def test_the_start_checks_read_the_time_grid_as_the_trainer_does(model_dir, tmp_path, shift):
+    """The start checks read the scheduler's shift from its config file, the trainer from the loaded
+    pipeline: where the file sets none, diffusers fills in its class's default (1.0, not SD3's 3.0), and
+    both must see that one, or the start could refuse a run the trainer would train (or pass one it refuses)."""
+    from stepfast.models import load_pipeline
+    from stepfast.policy import grid_shift
+    from stepfast.startup import scheduler_shift
+
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    config_file = model / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("shift", None) if shift is None else config.update(shift=shift)
+    config_file.write_text(json.dumps(config))
+    assert scheduler_shift(model) == grid_shift(load_pipeline(model).scheduler.config) == (shift or 1.0)
+
+
 def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n\n{"prompt": "a photo of a square"}\n')
