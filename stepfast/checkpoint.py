@@ -135,7 +135,8 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-#: Settings a checkpoint's engine state holds the layout of: a run resumed from it must keep them.
+#: Settings a checkpoint's engine state is laid out by (startup.engine_settings_problem: ZeRO stages 1
+#: and 2 save alike, and the LoRA's targets in any order): a run resumed from it keeps them.
 ENGINE_SETTINGS = ("model.lora", "model.lora_rank", "model.lora_targets", "optim.zero_stage", "optim.precision")
 
 

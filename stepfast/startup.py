@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from stepfast import checkpoint, grpo, rewards, sde
-from stepfast.config import ConfigError
+from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.files import check_creatable_dir
 from stepfast.models import check_pipeline_dir
@@ -194,6 +194,7 @@ def check_before_start(cfg) -> PromptFiles:
     else:  # a folder that could not be checked is named above; its files cannot be read either
         if cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
             errors.append(problem)
+    resumed = None
     if cfg.resume not in ("none", "auto"):
         try:
             problem = resume_problem(Path(cfg.resume))
@@ -201,6 +202,12 @@ def check_before_start(cfg) -> PromptFiles:
             problem = f"cannot check {cfg.resume!r}: {exc.strerror or exc}"
         if problem:
             errors.append(f"resume: {problem}")
+        else:
+            resumed = Path(cfg.resume)
+    elif cfg.resume == "auto" and Path(cfg.output_dir).is_dir():
+        resumed = checkpoint.latest(Path(cfg.output_dir))
+    if resumed is not None and (problem := engine_settings_problem(cfg, resumed)):
+        errors.append(problem)
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
@@ -246,6 +253,57 @@ def iteration_problem(cfg, steps: list[int], world: int) -> str | None:
             f"rollout.micro_batch={cfg.rollout.micro_batch} from this rank's {per_rank} samples; change one of them"
         )
     return None
+
+
+def settings_file(resumed: Path, iteration: int) -> Path | None:
+    """The settings the iterations of checkpoint `resumed` (at `iteration`) ran with: its run's
+    config.yaml, or the config-until-<iteration>.yaml an earlier resume kept; None when there is none
+    to read (a checkpoint moved out of its run)."""
+    checkpoints = Path(resumed).resolve().parent
+    if checkpoints.name != "checkpoints":
+        return None
+    run = checkpoints.parent
+    until = run / f"config-until-{iteration:06d}.yaml"
+    saved = until if until.is_file() else run / "config.yaml"
+    return saved if saved.is_file() else None
+
+
+def engine_settings_problem(cfg, resumed: Path) -> str | None:
+    """Why checkpoint `resumed` cannot continue with `cfg`'s settings of its engine state's layout
+    (checkpoint.ENGINE_SETTINGS: the adapter's modules and shapes, ZeRO-3's partitions against
+    stages 1 and 2, which DeepSpeed saves alike, the precision's optimizer files), or None. Read from
+    the settings the checkpoint ran with; DeepSpeed would say it only after the model and the engine
+    are built, in its own words."""
+    saved = settings_file(resumed, checkpoint.iteration_of(resumed) or 0)
+    try:
+        before = load_config(str(saved)) if saved is not None else None
+    except Exception:  # noqa: BLE001 (unreadable: the resume warns about it; loading decides)
+        before = None
+    if before is None:
+        return None
+
+    # (key, value before, value now, whether the engine state's layout differs)
+    pairs = [("model.lora", before.model.lora, cfg.model.lora, before.model.lora != cfg.model.lora),
+             ("optim.zero_stage", before.optim.zero_stage, cfg.optim.zero_stage,
+              (before.optim.zero_stage == 3) != (cfg.optim.zero_stage == 3)),
+             ("optim.precision", before.optim.precision, cfg.optim.precision,
+              before.optim.precision != cfg.optim.precision)]  # fmt: skip
+    if before.model.lora and cfg.model.lora:
+        pairs += [("model.lora_rank", before.model.lora_rank, cfg.model.lora_rank,
+                   before.model.lora_rank != cfg.model.lora_rank),
+                  ("model.lora_targets", before.model.lora_targets, cfg.model.lora_targets,
+                   set(before.model.lora_targets) != set(cfg.model.lora_targets))]  # fmt: skip
+    def shown(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    changed = [f"{key}: {shown(old)} -> {shown(new)}" for key, old, new, differs in pairs if differs]
+    if not changed:
+        return None
+    return (
+        f"resume: {resumed} cannot continue with other {'; '.join(changed)} (its settings: {saved}): its "
+        "engine state is laid out by them; resume with the checkpoint's, or start a new run (resume=none) "
+        "in another output_dir"
+    )
 
 
 def run_in_the_way(out: Path) -> str | None:

@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem, scheduler_shift,
+    check_servers, cut_prompt_warnings, iteration_problem, scheduler_shift, settings_file,
 )
 
 
@@ -90,19 +90,6 @@ class EvalSetup(NamedTuple):
     plan: list[tuple[dict, int]]  # (record, seed) of every image, prompt-major
     reward: object  # eval.reward, with its reward.options
     records: list[PromptRecord]  # the lines of eval.prompts that `metadata` holds, in its order
-
-
-def settings_file(resumed: Path, iteration: int) -> Path | None:
-    """The settings the iterations of checkpoint `resumed` (at `iteration`) ran with: its run's
-    config.yaml, or the config-until-<iteration>.yaml an earlier resume kept; None when there is none
-    to read (a checkpoint moved out of its run)."""
-    checkpoints = Path(resumed).resolve().parent
-    if checkpoints.name != "checkpoints":
-        return None
-    run = checkpoints.parent
-    until = run / f"config-until-{iteration:06d}.yaml"
-    saved = until if until.is_file() else run / "config.yaml"
-    return saved if saved.is_file() else None
 
 
 class Trainer:
@@ -175,7 +162,6 @@ class Trainer:
         """A ConfigError when the checkpoint resumed cannot continue this run: written by another
         number of ranks, older than output_dir's newest, or past `iterations`."""
         checkpoint.check_world(self.resume_from, self.world)
-        self._check_engine_settings()
         self._check_no_later_checkpoints()
         done = checkpoint.iteration_of(self.resume_from)
         if done is not None and done > self.cfg.iterations:  # (equal: the evaluation and report are left to do)
@@ -217,29 +203,6 @@ class Trainer:
                     f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
                 )
         return [record.metadata["tag"] for record in self.prompts]
-
-    def _check_engine_settings(self) -> None:
-        """A ConfigError, before the model loads, when this run changes a setting the checkpoint's
-        engine state is laid out by (checkpoint.ENGINE_SETTINGS): DeepSpeed could not load it, and
-        would say so only after the model and the engine are built, in its own words."""
-        saved = settings_file(self.resume_from, checkpoint.iteration_of(self.resume_from) or 0)
-        try:
-            before = load_config(str(saved)) if saved is not None else None
-        except Exception:  # noqa: BLE001 (unreadable: _keep_changed_settings reports it; loading decides)
-            before = None
-        if before is None:
-            return
-        keys = checkpoint.ENGINE_SETTINGS
-        if not before.model.lora and not self.cfg.model.lora:  # full fine-tuning both: no adapter to match
-            keys = tuple(k for k in keys if not k.startswith("model.lora_"))
-        changed = [c for c in changed_settings(before, self.cfg) if c.split(":")[0] in keys]
-        if changed:
-            raise ConfigError(
-                f"resume={self.resume_from}: the checkpoint was written with other {'; '.join(changed)} "
-                f"({saved}), and its engine state (the adapter's shapes, ZeRO's partitions, the precision's "
-                "optimizer files) holds to them: resume with the checkpoint's settings, or start a new run "
-                "(resume=none) in another output_dir"
-            )
 
     def _keep_changed_settings(self) -> None:
         """A run resumed with other settings than those the checkpoint's iterations ran with (its run's

@@ -1034,13 +1034,41 @@ def test_changed_settings_are_compared_with_those_the_checkpoints_iterations_ran
     assert "(which this version cannot read: " in resume(run, ckpt, "optim.lr=0.07")
 
 
+def test_the_settings_a_checkpoint_is_laid_out_by_are_compared_by_layout(tmp_path):
+    """ZeRO stages 1 and 2 save the same engine state (a run may move between them), and a LoRA's
+    targets are a set; stage 3, the precision, the adapter's rank or targets, or LoRA against full
+    fine-tuning are refused, named old -> new."""
+    from stepfast.config import to_yaml
+    from stepfast.startup import engine_settings_problem
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "checkpoint-000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("4")
+    written = ["optim.zero_stage=2", "model.lora_targets=[attn.to_q, attn.to_v]"]
+    (run / "config.yaml").write_text(to_yaml(load_config("default", written)))
+
+    def problem(*overrides):
+        return engine_settings_problem(load_config("default", [*written, *overrides]), ckpt)
+
+    assert problem() is None and problem("optim.zero_stage=1") is None
+    assert problem("model.lora_targets=[attn.to_v, attn.to_q]") is None and problem("optim.lr=0.5") is None
+    assert "cannot continue with other optim.zero_stage: 2 -> 3 (its settings: " in problem("optim.zero_stage=3")
+    assert "model.lora_targets: ['attn.to_q', 'attn.to_v'] -> ['attn.to_q']" in problem("model.lora_targets=[attn.to_q]")
+    assert "model.lora: true -> false" in problem("model.lora=false")
+    assert "optim.precision: fp32 -> bf16" in problem("optim.precision=bf16")
+    (run / "config.yaml").write_text(to_yaml(load_config("default", [*written, "model.lora=false"])))
+    assert problem("model.lora=false", "model.lora_rank=4") is None  # no adapter on either side
+
+
 @pytest.mark.parametrize("damage, overrides, message", [
     ("engine", [], "is marked complete but has no engine"),
     ("rng", [], "holds optimizer shards of 1 rank(s) and RNG files of ranks none (a damaged checkpoint)"),
     ("truncate", [], "cannot be loaded into this run (RuntimeError"),
-    (None, ["model.lora_rank=8"], "the checkpoint was written with other model.lora_rank: 4 -> 8 ({out}/config.yaml)"),
-    (None, ["optim.zero_stage=3"], "the checkpoint was written with other optim.zero_stage: 2 -> 3"),
-    (None, ["optim.precision=bf16"], "the checkpoint was written with other optim.precision: fp32 -> bf16"),
+    (None, ["model.lora_rank=8"], "checkpoint-000004 cannot continue with other model.lora_rank: 4 -> 8 (its "
+                                  "settings: {out}/config.yaml)"),
+    (None, ["optim.zero_stage=3"], "cannot continue with other optim.zero_stage: 2 -> 3"),
+    (None, ["optim.precision=bf16"], "cannot continue with other optim.precision: fp32 -> bf16"),
     ("engine", ["resume={out}/checkpoints/checkpoint-000004"], "checkpoint-000004 is marked complete but has no "
                                                                "engine (a damaged checkpoint)"),
     ("metrics", [], "metrics.csv: cannot read the metrics logged so far"),
