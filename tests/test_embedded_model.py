@@ -213,6 +213,24 @@ def test_load_pipeline_names_the_component_that_is_missing_or_damaged(tmp_path):
         "tokenizer files (tokenizer_config.json, tokenizer.json, vocab.json, spiece.model); vae/ has no weights "
         "(*.safetensors or *.bin)): a partial download or copy?"
     )
+    # a sharded model names its shards in an index: one missing is named; a component the SD3 pipeline
+    # does not draw with (an IP-Adapter's feature_extractor, files of its own kind) is not checked
+    sharded = shutil.copytree(good, tmp_path / "sharded")
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "b.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (sharded / "text_encoder_3" / "model.safetensors").rename(sharded / "text_encoder_3" / "model-00001-of-00002.safetensors")
+    (sharded / "text_encoder_3" / "model.safetensors.index.json").write_text(json.dumps(index))
+    spec = json.loads((sharded / "model_index.json").read_text())
+    spec["feature_extractor"] = ["transformers", "SiglipImageProcessor"]
+    (sharded / "model_index.json").write_text(json.dumps(spec))
+    (sharded / "feature_extractor").mkdir()
+    (sharded / "feature_extractor" / "preprocessor_config.json").write_text("{}")
+    with pytest.raises(ValueError) as err:
+        check_pipeline_dir(sharded)
+    assert str(err.value) == (f"{sharded}: a component is incomplete (text_encoder_3/ has no model-00002-of-00002."
+                              "safetensors, which model.safetensors.index.json names): a partial download or copy?")
+    (sharded / "text_encoder_3" / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert check_pipeline_dir(sharded) == sharded
     # a file diffusers cannot read is still named by the load
     damaged = shutil.copytree(good, tmp_path / "damaged")
     (damaged / "transformer" / "config.json").write_text("{not json")

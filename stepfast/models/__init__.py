@@ -47,36 +47,45 @@ def check_pipeline_dir(path: str | Path) -> Path:
     cls = spec.get("_class_name") if isinstance(spec, dict) else None
     if cls not in _SD3_CLASSES:
         raise ValueError(f"{index}: _class_name is {cls!r}, expected one of {list(_SD3_CLASSES)}")
-    missing = [
-        name
-        for name, entry in spec.items()
-        if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None
-        and not (path / name).is_dir()
-    ]  # fmt: skip
+    listed = [name for name, entry in spec.items()
+              if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None]  # fmt: skip
+    missing = [name for name in listed if not (path / name).is_dir()]
     if missing:
         raise ValueError(f"{path}: model_index.json lists {missing} but those subfolders are missing")
-    incomplete = [
-        f"{name}/ has no {lack}"
-        for name, entry in spec.items()
-        if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None
-        and (lack := _component_lack(path / name, name))
-    ]  # fmt: skip
+    incomplete = [f"{name}/ has no {lack}" for name in listed if (lack := _component_lack(path / name, name))]
     if incomplete:
         raise ValueError(f"{path}: a component is incomplete ({'; '.join(incomplete)}): a partial download or copy?")
     return path
 
 
+#: The components an SD3 pipeline draws with, by the files diffusers and transformers load them from;
+#: others a pipeline may hold (an IP-Adapter's image_encoder, its feature_extractor) are not checked.
+_MODELS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "spiece.model")
+
+
 def _component_lack(folder: Path, name: str) -> str | None:
-    """What a component folder of a pipeline lacks for diffusers to load it, or None: a scheduler
-    its scheduler_config.json, a tokenizer any of its files, a model its config.json and weights."""
+    """What a component folder of a pipeline lacks for it to load, or None: the scheduler its
+    scheduler_config.json, a tokenizer any of its files, a model its config.json and weights (every
+    shard its index names)."""
     if name == "scheduler":
         return None if (folder / "scheduler_config.json").is_file() else "scheduler_config.json"
     if name.startswith("tokenizer"):
-        files = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "spiece.model")
-        return None if any((folder / f).is_file() for f in files) else f"tokenizer files ({', '.join(files)})"
+        found = any((folder / f).is_file() for f in _TOKENIZER_FILES)
+        return None if found else f"tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+    if name not in _MODELS:
+        return None
     if not (folder / "config.json").is_file():
         return "config.json"
-    weights = [*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.index.json")]
+    for index in folder.glob("*.index.json"):  # sharded weights: every shard named
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"readable {index.name}"
+        absent = sorted(f for f in shards if not (folder / f).is_file())
+        if absent:
+            return f"{absent[0]}{f' (and {len(absent) - 1} more shards)' if len(absent) > 1 else ''}, which {index.name} names"
+    weights = [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
     return None if weights else "weights (*.safetensors or *.bin)"
 
 
