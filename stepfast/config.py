@@ -419,9 +419,10 @@ def _set_dotted(cfg: Config, dotted: str, value: Any, raw: str | None = None) ->
             if isinstance(current, dict):  # into a mapping (reward.options.pickscore.device=...)
                 # a reward named by import path has dots of its own (reward.options.pkg.mod:Cls.device)
                 names = set(current) | ({*cfg.reward.weights, cfg.eval.reward} if obj is cfg.reward else set())
-                keys = _split_known(parts[i + 1 :], names)
-                if keys == parts[i + 1 :]:  # no name it knows: one given by import path, module dots joined
-                    keys = _split_import_path(keys)
+                # a name it knows, else one given by import path (its module's dots joined back); under a
+                # known name, an option's key that is such a name too (remote's weights.pkg.mod:Cls)
+                known = _split_known(parts[i + 1 :], names)
+                keys = known[:2] + _split_import_path(known[2:]) if known else _split_import_path(parts[i + 1 :])
                 new = _set_in(current, keys, value, where)
                 setattr(obj, part, _coerce(new, _type_hints(type(obj))[part], where))
                 return
@@ -439,14 +440,15 @@ def _split_import_path(keys: list[str]) -> list[str]:
     return keys
 
 
-def _split_known(keys: list[str], names) -> list[str]:
-    """`keys` with its first ones joined back into the longest of `names` they spell, if any."""
+def _split_known(keys: list[str], names) -> list[str] | None:
+    """`keys` with its first ones joined back into the longest of `names` they spell; None if they
+    spell none."""
     joined = ".".join(keys)
     for name in sorted(names, key=len, reverse=True):
         if joined == name or joined.startswith(name + "."):
             rest = joined[len(name) + 1 :]
             return [name] + (rest.split(".") if rest else [])
-    return keys
+    return None
 
 
 def _set_in(mapping: dict, keys: list[str], value: Any, where: str) -> dict:

@@ -583,3 +583,7 @@ def test_a_reward_named_by_import_path_keeps_its_dots_in_an_override():
                                   "reward.options.train_helpers.sub:Brightness.scale=2"])  # fmt: skip
     assert cfg.reward.weights == {"shapes": 1.0, "train_helpers.sub:Brightness": 0.5}
     assert cfg.reward.options == {"train_helpers.sub:Brightness": {"scale": 2}}
+    # under a name it knows: its options, whose keys may be such names too (the remote reward's weights)
+    cfg = load_config("default", ["reward.weights={remote: 1.0}", "reward.options.remote.url=http://h:1",
+                                  "reward.options.remote.weights.pkg.mod:Cls=0.5"])  # fmt: skip
+    assert cfg.reward.options == {"remote": {"url": "http://h:1", "weights": {"pkg.mod:Cls": 0.5}}}
