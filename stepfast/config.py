@@ -360,15 +360,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is int and isinstance(value, (float, str)):  # iterations=1e3: YAML's float, or its string (no dot)
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None and number.is_integer():
-            return int(number)
-        if number is not None:
-            raise ConfigError(f"{where}: expected a whole number, got {value!r}")
+    if tp is int and isinstance(value, float):  # iterations=1e3, which YAML reads as a float
+        if value.is_integer() and abs(value) < 2**53:  # every integer below 2**53 is a float exactly
+            return int(value)
+        raise ConfigError(f"{where}: expected a whole number{' below 2**53' if value.is_integer() else ''}, "
+                          f"got {value!r}")  # fmt: skip
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
     return value

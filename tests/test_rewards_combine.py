@@ -392,6 +392,11 @@ def test_an_option_of_the_wrong_type_or_range_is_named_when_the_reward_is_built(
 
 
 def test_options_of_the_right_types_pass_the_check():
-    """An int where a float is annotated (YAML reads 1 as one), None where None is allowed."""
+    """An int where a float is annotated (YAML reads 1 as one), a whole float where an int is (taken as
+    the int), None where None is allowed."""
     assert rewards.load("shapes", threshold=0.3, min_area=0, max_area=1, exclusive=False).min_area == 0
     assert rewards.load("jpeg_compressibility", quality=90, scale=2).scale == 2
+    built = rewards.load("jpeg_incompressibility", quality=90.0)
+    assert built.quality == 90 and type(built.quality) is int
+    ocr = rewards._import(rewards.REGISTRY["ocr"])  # built, it would need easyocr: its options are checked alone
+    assert rewards._check_options("ocr", ocr, {"model_dir": None, "batch_size": 8.0}) == {"model_dir": None, "batch_size": 8}

@@ -120,12 +120,14 @@ def _is_scorer(fn) -> bool:
     return True
 
 
-def _check_options(name: str, build, options: dict) -> None:
-    """A ValueError naming the reward and the options that its class or factory does not take."""
+def _check_options(name: str, build, options: dict) -> dict:
+    """`options`, checked: a ValueError naming the reward and the options that its class or factory
+    does not take, or whose value is not of the plain type it annotates (a whole number written as a
+    float, 90.0, is taken for an int, as the configuration's integer keys take it)."""
     try:
         signature = inspect.signature(build)
     except (TypeError, ValueError):  # nothing to check against
-        return
+        return options
     try:
         signature.bind(**options)
     except TypeError as exc:
@@ -136,14 +138,18 @@ def _check_options(name: str, build, options: dict) -> None:
             ) from None
         raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
     hints = _type_hints(build)
+    checked = dict(options)
     for key, value in options.items():
         kind, optional = _plain(hints.get(key))
         if kind is None or (optional and value is None):
             continue
+        if kind is int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            checked[key] = value = int(value)
         fits, what = _PLAIN[kind]
         if not fits(value):
             raise ValueError(f"reward {name!r}: option {key} must be {what}{' or null' if optional else ''}, "
                              f"got {value!r}")  # fmt: skip
+    return checked
 
 
 # the plain annotations an option's value is checked against (YAML reads 1 as an int: a float takes it)
@@ -201,7 +207,7 @@ def load(name: str, **options) -> Reward:
     # called even without options, whose fit is checked first (a missing one named, not a TypeError)
     factory = callable(obj) and not isinstance(obj, type) and not _is_scorer(obj)
     if callable(obj) and (options or isinstance(obj, type) or factory):
-        _check_options(name, obj, options)
+        options = _check_options(name, obj, options)
     if isinstance(obj, type):
         return obj(**options)
     if not callable(obj):
