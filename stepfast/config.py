@@ -519,11 +519,8 @@ PATH_KEYS = ("output_dir", "resume", "model.path", "rollout.prompts", "eval.prom
 def _expand_home(cfg: Config) -> None:
     for key in PATH_KEYS:
         value = _get_dotted(cfg, key)
-        if isinstance(value, str) and value.startswith("~"):
-            try:
-                _set_path(cfg, key, os.path.expanduser(value))
-            except RuntimeError:  # no home folder to expand to: the path is named as given
-                pass
+        if isinstance(value, str) and value.startswith("~"):  # (left as it is when there is no home)
+            _set_path(cfg, key, os.path.expanduser(value))
 
 
 def _set_path(cfg: Config, key: str, value: str) -> None:

@@ -251,11 +251,8 @@ def expand_home(name: str, options: dict | None) -> dict:
     options = dict(options or {})
     for key in LOCAL_PATH_OPTIONS.get(name, ()):
         value = options.get(key)
-        if isinstance(value, str) and value.startswith("~"):
-            try:
-                options[key] = os.path.expanduser(value)
-            except RuntimeError:  # no home folder: the path is named as given
-                pass
+        if isinstance(value, str) and value.startswith("~"):  # (left as it is when there is no home)
+            options[key] = os.path.expanduser(value)
     return options
 
 
