@@ -337,13 +337,18 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The sample grid's frames: a strict pass, a fail, a reward without pass/fail (strict NaN).
+PASS, FAIL, NO_VERDICT = (40, 200, 60), (210, 50, 50), (120, 120, 120)
+
+
 def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows: int = 32,
-                scale: float | None = None):  # fmt: skip
-    """A PIL image: one row per prompt (up to max_rows, spread over categories) with its first
-    `columns` seeds; each image framed green when it passes strictly, red when it fails, grey for a
-    reward without pass/fail (strict NaN), with its score. scale: the tiles' size over the images';
-    by default 2 up to 128 px (ShapeEval's 64 px stay legible) and 256 px tiles above (a 1024 px
-    evaluation of 32 prompts would otherwise be a 66,000 px tall grid)."""
+                scale: float | None = None, title: str | None = None):  # fmt: skip
+    """A PIL image: one row per prompt (up to max_rows, spread over categories: its category and its
+    prompt, wrapped) with its first `columns` seeds; each image framed green when it passes strictly,
+    red when it fails, grey for a reward without pass/fail (strict NaN), with its seed and score under
+    it. `title`: a header line above, with the key to the frames. scale: the tiles' size over the
+    images'; by default 2 up to 128 px (ShapeEval's 64 px stay legible) and 256 px tiles above (a
+    1024 px evaluation of 32 prompts would otherwise be a 66,000 px tall grid)."""
     from PIL import Image, ImageDraw
 
     rows = _prompt_rows(samples)
@@ -354,23 +359,66 @@ def sample_grid(images: np.ndarray, samples: list[dict], columns: int, max_rows:
         scale = 2 if images.shape[1] <= 128 else 256 / images.shape[1]
     h, w = max(round(images.shape[1] * scale), 1), max(round(images.shape[2] * scale), 1)
     resample = Image.NEAREST if scale >= 1 else Image.BILINEAR
-    label_w, pad, text_h = 300, 3, 12
+    font = _font(GRID_FONT)
+    label_w, pad, text_h = 300, 3, GRID_LINE
     cell_w, cell_h = w + 2 * pad, h + 2 * pad + text_h
-    grid = Image.new("RGB", (label_w + columns * cell_w, len(rows) * cell_h), (24, 24, 24))
+    head_h = 2 * GRID_LINE + 8 if title else 0
+    grey = (200, 200, 200)
+    key = [("frame: ", grey), ("passes (strict)", PASS), (", ", grey), ("fails", FAIL), (", ", grey),
+           ("no pass/fail", NO_VERDICT), (";  under each image: s<seed> and its partial score", grey)]  # fmt: skip
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    key_w = 8 + sum(measure.textlength(text, font=font) for text, _ in key) if title else 0
+    width = max(label_w + columns * cell_w, math.ceil(key_w))
+    grid = Image.new("RGB", (width, head_h + len(rows) * cell_h), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
+    if title:
+        draw.text((4, 4), title, fill=(240, 240, 240), font=font)
+        x = 4
+        for text, colour in key:
+            draw.text((x, 4 + GRID_LINE), text, fill=colour, font=font)
+            x += draw.textlength(text, font=font)
     for y, row in enumerate(rows):
-        first = samples[row[0]]
-        draw.text((4, y * cell_h + cell_h // 2 - 12), f"[{first['tag']}]", fill=(160, 160, 160))
-        draw.text((4, y * cell_h + cell_h // 2), first["prompt"], fill=(230, 230, 230))
+        first, top = samples[row[0]], head_h + y * cell_h
+        lines = [(f"[{first['tag']}]", (190, 190, 190))]
+        lines += [(line, (235, 235, 235)) for line in _wrap(draw, str(first["prompt"]), font, label_w - 8)]
+        lines = lines[: max((cell_h - 4) // GRID_LINE, 1)]
+        y0 = top + max((cell_h - len(lines) * GRID_LINE) // 2, 2)
+        for k, (text, colour) in enumerate(lines):
+            draw.text((4, y0 + k * GRID_LINE), text, fill=colour, font=font)
         for c, i in enumerate(row[:columns]):
-            x0, y0 = label_w + c * cell_w, y * cell_h
+            x0, y0 = label_w + c * cell_w, top
             strict = samples[i]["strict"]
-            frame = (120, 120, 120) if math.isnan(strict) else (40, 200, 60) if strict == 1 else (210, 50, 50)
+            frame = NO_VERDICT if math.isnan(strict) else PASS if strict == 1 else FAIL
             draw.rectangle([x0, y0, x0 + cell_w - 1, y0 + h + 2 * pad - 1], fill=frame)
             tile = Image.fromarray(images[i]).resize((w, h), resample)
             grid.paste(tile, (x0 + pad, y0 + pad))
-            draw.text((x0 + pad, y0 + h + 2 * pad), f"s{samples[i]['seed']} {samples[i]['score']:.2f}", fill=(230, 230, 230))
+            draw.text((x0 + pad, y0 + h + 2 * pad), f"s{samples[i]['seed']} {samples[i]['score']:.2f}",
+                      fill=(230, 230, 230), font=font)  # fmt: skip
     return grid
+
+
+GRID_FONT, GRID_LINE = 13, 16  # the grid's text size and line height, in pixels
+
+
+def _font(size: int):
+    """PIL's default font at `size` px (a TrueType font where PIL has FreeType), else its bitmap font."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, OSError, ImportError):  # an older PIL, or one without FreeType
+        return ImageFont.load_default()
+
+
+def _wrap(draw, text: str, font, width: float) -> list[str]:
+    """`text` in lines of at most `width` px (a word longer than that keeps a line of its own)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines or [""]
 
 
 def _prompt_rows(samples: list[dict]) -> list[list[int]]:

@@ -306,7 +306,10 @@ def test_min_images_draws_more_seeds_and_the_grid_shows_the_first_ones(tiny):
     diff = np.abs(result["images"].astype(int) - same["images"].astype(int))
     assert diff.max() <= 2  # seed 2 is the same image whichever way it was asked for
     grid = heldout.sample_grid(result["images"], result["samples"], columns=2, scale=1)
-    assert grid.size[1] == 3 * (64 + 6 + 12) and grid.size[0] == 300 + 2 * (64 + 6)
+    line = heldout.GRID_LINE  # the seed and score under each image
+    assert grid.size[1] == 3 * (64 + 6 + line) and grid.size[0] == 300 + 2 * (64 + 6)
+    titled = heldout.sample_grid(result["images"], result["samples"], columns=2, scale=1, title="after")
+    assert titled.size[1] == grid.size[1] + 2 * line + 8  # a header: the title, the key to the frames
 
 
 def test_grid_frames_say_pass_fail_or_none_and_large_images_shrink():
@@ -316,7 +319,7 @@ def test_grid_frames_say_pass_fail_or_none_and_large_images_shrink():
                for s, v in enumerate([1.0, 0.0, float("nan")])]  # fmt: skip
     for side, tile in ((64, 128), (1024, 256)):
         grid = heldout.sample_grid(np.zeros((3, side, side, 3), dtype=np.uint8), samples, columns=3)
-        assert grid.size == (300 + 3 * (tile + 6), tile + 6 + 12)
+        assert grid.size == (300 + 3 * (tile + 6), tile + 6 + heldout.GRID_LINE)
         frames = [grid.getpixel((300 + c * (tile + 6) + 1, 1)) for c in range(3)]
         assert frames == [(40, 200, 60), (210, 50, 50), (120, 120, 120)]
 
