@@ -277,4 +277,8 @@ def save_lora(transformer, directory: str | Path, weights: dict[str, torch.Tenso
 
     state = get_peft_model_state_dict(transformer, state_dict=weights)
     state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state)
+    # the adapter's config goes with it (in the file's metadata): without it, load_lora_weights takes
+    # lora_alpha = rank, and an adapter trained at alpha = 2 x rank loads at half its scale
+    metadata = transformer.peft_config["default"].to_dict()
+    StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state,
+                                               transformer_lora_adapter_metadata=metadata)  # fmt: skip

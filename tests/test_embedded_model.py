@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -248,7 +249,8 @@ def test_a_lora_of_another_model_is_named_with_one_mismatch(tmp_path):
     other = load_pipeline(tiny_pipeline_dir(tmp_path / "other", num_heads=3))
     other.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q"]))
     StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora",
-                                               transformer_lora_layers=get_peft_model_state_dict(other.transformer))
+                                               transformer_lora_layers=get_peft_model_state_dict(other.transformer),
+                                               transformer_lora_adapter_metadata=other.transformer.peft_config["default"].to_dict())  # fmt: skip
     layers = len(other.transformer.transformer_blocks)
     with pytest.raises(ValueError) as info:
         load_lora(load_pipeline(tiny_pipeline_dir(tmp_path / "this")), tmp_path / "lora")
@@ -265,3 +267,29 @@ def test_text_length_defaults_to_diffusers_for_long_tokenizers():
         tokenizer_3 = Tok()
 
     assert text_length(Pipe()) == 256
+
+
+def test_a_lora_saved_without_its_adapter_config_is_warned_about(tmp_path):
+    """diffusers loads such a file with lora_alpha = rank: an adapter trained at another alpha loads at
+    another scale, silently. stepfast's save_lora writes the config; a file without it is said."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from stepfast.models import load_lora
+    from stepfast.policy import save_lora
+
+    trained = load_pipeline(tiny_pipeline_dir(tmp_path / "model"))
+    trained.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["attn.to_q"]))
+    save_lora(trained.transformer, tmp_path / "with")
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "without",
+                                               transformer_lora_layers=get_peft_model_state_dict(trained.transformer))
+    fresh = load_pipeline(tmp_path / "model" / "tiny-sd3-0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none for a file with its config
+        load_lora(fresh, tmp_path / "with")
+    assert fresh.transformer.peft_config["default"].lora_alpha == 8
+    other = load_pipeline(tmp_path / "model" / "tiny-sd3-0")
+    with pytest.warns(UserWarning, match="holds no adapter config .* diffusers loads it with lora_alpha = its rank"):
+        load_lora(other, tmp_path / "without")
+    assert other.transformer.peft_config["default"].lora_alpha == 4

@@ -335,7 +335,8 @@ def test_lora_changes_the_samples(tiny, tmp_path):
     for name, param in pipe.transformer.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.5)  # peft starts B at zero: make the LoRA act
-    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer))
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer),
+                                               transformer_lora_adapter_metadata=pipe.transformer.peft_config["default"].to_dict())  # fmt: skip
 
     metadata = load_metadata("test")[:2]
     base = heldout.evaluate(load_pipeline(path), metadata, 1, 2, reward=CountingReward(), progress=False, keep_images=True)

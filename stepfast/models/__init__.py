@@ -12,6 +12,7 @@ prompts it never saw). Real SD3 checkpoints get diffusers' default.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -191,6 +192,12 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     FileNotFoundError when `path` does not exist, ValueError naming it when it is not such weights
     (see `lora_weights_file`, which checks that without a pipeline) or they do not fit `pipe`."""
     file = lora_weights_file(path)
+    if file.suffix == ".safetensors" and not _holds_adapter_config(file):
+        warnings.warn(
+            f"{file} holds no adapter config (lora_alpha, in its metadata): diffusers loads it with lora_alpha = "
+            "its rank, which is not the trained scale when alpha was another (stepfast's checkpoints before it "
+            "saved the config: alpha = 2 x rank, loaded at half the scale)", stacklevel=2,
+        )  # fmt: skip
     try:
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
@@ -203,6 +210,18 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
             ) from exc
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     return pipe
+
+
+def _holds_adapter_config(file: Path) -> bool:
+    """Whether a .safetensors LoRA file carries its adapter's config in its metadata (diffusers'
+    `lora_adapter_metadata`, written by save_lora_weights(..., transformer_lora_adapter_metadata=))."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return "lora_adapter_metadata" in (handle.metadata() or {})
+    except Exception:  # noqa: BLE001 (an unreadable file: loading it names the problem)
+        return True
 
 
 TRANSFORMER_WEIGHTS = "diffusion_pytorch_model.safetensors"
