@@ -28,36 +28,45 @@ def _column(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _moving_mean(values: np.ndarray, parts: int = 10) -> tuple[int, np.ndarray]:
-    """A moving mean over a window of a `parts`-th of the points (at least 2): (window, means)."""
+    """A trailing mean over a window of a `parts`-th of the points (at least 2): (window, means), the
+    mean i ending at point i + window - 1."""
     k = max(len(values) // parts, 2)
     return k, np.convolve(values, np.ones(k) / k, mode="valid")
 
 
 def reward_curve(rows: list[dict], path: Path) -> None:
-    """The train reward over iterations; with tagged prompts (GenEval categories), a second panel
-    with each category's reward, a moving mean over the iterations that drew it."""
+    """The train reward over iterations, with its trailing mean; with tagged prompts (GenEval
+    categories), a second panel on the same scale with each category's reward, a trailing mean over
+    the iterations that drew it."""
     plt = _plt()
     categories = sorted({k for r in rows for k in r if k.startswith("category/")})
-    fig, axes = plt.subplots(1, 2 if categories else 1, figsize=(11 if categories else 6, 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if categories else 1, figsize=(11 if categories else 6, 3.8), squeeze=False,
+                             sharey=True)  # fmt: skip
     ax = axes[0, 0]
     it, r = _column(rows, "reward")
-    ax.plot(it, r, label="train reward (final images)")
+    ax.plot(it, r, color="C0", alpha=0.45, linewidth=1, label="each iteration")
     if len(r) >= 5:
         k, mean = _moving_mean(r)
-        ax.plot(it[k - 1:], mean, label=f"moving mean ({k})")
+        ax.plot(it[k - 1:], mean, color="C0", linewidth=2, label=f"trailing mean, {k} iterations")
+    ax.set_title("Train reward (mean over the iteration's final images)", fontsize=9)
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
-    ax.legend()
+    ax.legend(fontsize=8)
     if categories:
         ax = axes[0, 1]
-        for key in categories:
+        windows = set()
+        for n, key in enumerate(categories):
             it, r = _column(rows, key)
             if len(r) >= 5:
                 k, mean = _moving_mean(r, parts=5)  # a category is drawn in only some iterations
                 it, r = it[k - 1:], mean
-            ax.plot(it, r, label=key.split("/", 1)[1])
+                windows.add(k)
+            ax.plot(it, r, color=f"C{(n + 2) % 10}", label=key.split("/", 1)[1])
+        window = "" if not windows else f" of {'-'.join(str(w) for w in sorted({min(windows), max(windows)}))}"
+        ax.set_title(f"By prompt category: trailing mean{window} of the iterations that drew it", fontsize=9)
         ax.set_xlabel("iteration")
-        ax.set_title("by category (moving mean)", fontsize=9)
+        ax.set_ylabel("reward")
+        ax.yaxis.set_tick_params(labelleft=True)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -79,6 +88,8 @@ def eval_iteration(tag: str, iterations: int) -> int | None:
 
 
 def eval_curve(evals: dict, iterations: int, path: Path) -> None:
+    """The held-out overall scores at each evaluation, on the scores' whole range [0, 1]: markers, joined
+    only when there are more than two; the title gives the gain before -> after and its standard error."""
     plt = _plt()
     xs, strict, score = [], [], []
     for tag, e in evals.items():
@@ -86,12 +97,18 @@ def eval_curve(evals: dict, iterations: int, path: Path) -> None:
         strict.append(e["overall"]["strict"])
         score.append(e["overall"]["score"])
     order = np.argsort(xs)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(np.array(xs)[order], np.array(strict)[order], "o-", label="overall (strict)")
-    ax.plot(np.array(xs)[order], np.array(score)[order], "s--", label="overall (partial score)")
-    ax.set_xlabel("iteration")
+    style = "-" if len(xs) > 2 else ""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(np.array(xs)[order], np.array(strict)[order], "o" + style, label="overall (strict)")
+    ax.plot(np.array(xs)[order], np.array(score)[order], "s" + ("--" if style else ""), label="overall (partial score)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("iteration (0: before training)")
     ax.set_ylabel("held-out score")
-    ax.legend()
+    gain = held_out_gain(evals)
+    line = "" if gain is None else f"\nbefore -> after: {gain['gain']:+.3f}" + (
+        f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
+    ax.set_title(f"Held-out overall (mean of the categories){line}", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -102,8 +119,9 @@ def _number(cell) -> float:
     return float("nan") if cell in ("", None) else float(cell)
 
 
-def gain_heatmap(rows: list[dict], path: Path) -> bool:
-    """Mean |reward gain| per denoising step (rows) over training (columns)."""
+def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None) -> bool:
+    """Mean |reward gain| per denoising step (rows) over training (columns); the steps not in
+    `trained` (when known) hatched: their gains count in the statistics, but no gradient flows there."""
     keys = sorted({k for r in rows for k in r if k.startswith("gain/")}, key=lambda k: int(k.split("/")[1]))
     rows = [r for r in rows if not all(np.isnan(_number(r.get(k))) for k in keys)]  # some gain logged
     if not keys or not rows:
@@ -111,9 +129,19 @@ def gain_heatmap(rows: list[dict], path: Path) -> bool:
     # a step not logged at an iteration (a run resumed with other sde.steps) is a blank cell
     data = np.array([[_number(r.get(k)) for r in rows] for k in keys])
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     im = ax.imshow(data, aspect="auto", origin="upper", cmap="viridis",
                    extent=(rows[0]["iteration"] - 0.5, rows[-1]["iteration"] + 0.5, len(keys) - 0.5, -0.5))
+    steps = [int(k.split("/")[1]) for k in keys]
+    ax.set_yticks(range(len(keys)), [str(j) for j in steps])
+    title = "Mean |reward gain| of each denoising step"
+    if trained is not None:
+        untrained = [j for j in steps if j not in trained]
+        for j in untrained:
+            ax.axhspan(j - 0.5, j + 0.5, facecolor="none", edgecolor="white", hatch="//", linewidth=0)
+        if untrained:
+            title += f"\nhatched: not trained (deterministic, below sde.min_std or outside the window): {untrained}"
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel("iteration")
     ax.set_ylabel("denoising step j (x_j -> x_j+1)")
     fig.colorbar(im, ax=ax, label="mean |gain|")
@@ -152,31 +180,31 @@ def gain_line(evals: dict) -> str | None:
             "seeds drawn)")
 
 
-def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg) -> Path:
+def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg,
+                 trained: list[int] | None = None) -> Path:  # fmt: skip
     """report/ of a run: curves, tables, the held-out gain, and the sample grids: the one after
-    training drawn from `after`'s images, the one before linked where the trainer saved it."""
+    training drawn from `after`'s images, the one before linked where the trainer saved it.
+    `trained`: the denoising steps the update trains, hatched apart in the gain heatmap when given."""
     from stepfast.heldout import markdown_table
 
     report = Path(out) / "report"
     report.mkdir(parents=True, exist_ok=True)
-    lines = [f"# stepfast run: {cfg.credit} credit, {cfg.sampler} sampler", ""]
+    lines = [f"# stepfast run: {cfg.credit} credit, {cfg.sampler} sampler", "", settings_line(cfg), ""]
     if rows:
         reward_curve(rows, report / "reward_curve.png")
-        lines += ["![reward](reward_curve.png)", ""]
-        last = rows[-1]
-        times = {k: _number(last[k]) for k in last if str(k).startswith("time/")}
-        lines += [f"Iterations: {last['iteration']}; last train reward {_number(last.get('reward')):.3f}; "
-                  f"seconds per iteration {times.get('time/iteration', float('nan')):.1f} "
-                  f"({', '.join(f'{k[5:]} {v:.1f}' for k, v in times.items() if k != 'time/iteration')})",
-                  ""]  # fmt: skip
-    if gain_heatmap(rows, report / "gain_heatmap.png"):
-        lines += ["Mean |reward gain| per denoising step over training:", "", "![gains](gain_heatmap.png)", ""]
+        lines += ["![reward](reward_curve.png)", "", training_line(rows), ""]
+    if gain_heatmap(rows, report / "gain_heatmap.png", trained):
+        steps = sorted({int(k.split("/")[1]) for r in rows for k in r if str(k).startswith("gain/")})
+        untrained = [j for j in steps if trained is not None and j not in trained]
+        note = f" (hatched: the steps not trained, {', '.join(map(str, untrained))})" if untrained else ""
+        lines += [f"Mean |reward gain| per denoising step over training{note}:", "", "![gains](gain_heatmap.png)", ""]
     if evals:
         eval_curve(evals, cfg.iterations, report / "eval_curve.png")
         lines += ["![eval](eval_curve.png)", ""]
     for tag in ("before", "after"):
         if tag in evals:
-            lines += [f"## Held-out evaluation {tag} training", "", markdown_table(evals[tag]), ""]
+            lines += [f"## Held-out evaluation {tag} training", "", markdown_table(evals[tag]),
+                      "Overall is the mean of the categories, as GenEval's; n counts images (prompts x seeds).", ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
         gain = held_out_gain(evals)
@@ -189,6 +217,11 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
                       f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
                       "training seed spread on top of it.", ""]  # fmt: skip
+    if "after" in evals and (command := evaluate_command(cfg)):
+        lines += [f"The evaluation after training is of the weights of the run's last checkpoint; every image's "
+                  f"prompt, seed and scores are in eval_after.json (`samples`). To draw it again, from the run "
+                  f"folder (`{cfg.eval.reward}` rewards it; held-out prompts `{cfg.eval.prompts}`):", "",
+                  f"    {command}", ""]  # fmt: skip
     if (report / "samples_before.png").is_file():  # the trainer saves it when it draws it, before training
         lines += grid_link("before")
     if after is not None and "images" in after:
@@ -196,6 +229,54 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         lines += grid_link("after")
     (report / "summary.md").write_text("\n".join(lines))
     return report
+
+
+def settings_line(cfg) -> str:
+    """The settings a reader compares runs by, in one line (all of them are in config.yaml)."""
+    rollout, optim = cfg.rollout, cfg.optim
+    adapter = f"LoRA rank {cfg.model.lora_rank}" if cfg.model.lora else "full fine-tuning"
+    return (f"Settings: {cfg.iterations} iterations of {rollout.groups} groups of {rollout.group_size}, "
+            f"{cfg.sde.steps} steps, T' = {rollout.substeps}, CFG {rollout.cfg:g}, {adapter}, lr {optim.lr:g}, "
+            f"KL {optim.beta:g}, seed {cfg.seed} (every setting: config.yaml).")
+
+
+def training_line(rows: list[dict]) -> str:
+    """The train reward at the start and at the end of training (means over windows of up to 10
+    iterations: one iteration's reward swings with the prompts it draws) and the mean time per
+    iteration, split as logged."""
+    it = [r["iteration"] for r in rows]
+    reward = np.array([_number(r.get("reward")) for r in rows])
+    k = max(min(10, len(rows) // 2), 1)
+    first, last = np.nanmean(reward[:k]) if k else np.nan, np.nanmean(reward[-k:])
+    times = {}
+    for key in dict.fromkeys(key for r in rows for key in r if str(key).startswith("time/")):
+        values = np.array([_number(r.get(key)) for r in rows])
+        if not np.isnan(values).all():
+            times[key] = float(np.nanmean(values))
+    split = ", ".join(f"{key[5:]} {v:.1f}" for key, v in times.items() if key != "time/iteration")
+    spent = f"; seconds per iteration, mean over the run: {times['time/iteration']:.1f} ({split})" if "time/iteration" in times else ""
+    span = (f"iterations {it[0]}-{it[k - 1]}: {first:.3f}, {it[-k]}-{it[-1]}: {last:.3f}" if len(rows) > 1
+            else f"iteration {it[0]}: {last:.3f}")
+    return f"Iterations: {it[-1]}; train reward, mean over {span}{spent}."
+
+
+def evaluate_command(cfg) -> str | None:
+    """The `python -m stepfast.evaluate` command that draws the run's evaluation after training again
+    from its last checkpoint (run from the run folder), or None where the evaluation's reward is not
+    the one `stepfast.evaluate` scores with (shapes)."""
+    if cfg.eval.reward != "shapes":
+        return None
+    weights = ("lora" if cfg.model.lora else "transformer") + ("_ema" if cfg.optim.ema > 0 else "")
+    flag = "--lora" if cfg.model.lora else "--transformer"
+    parts = ["python -m stepfast.evaluate"]
+    if cfg.model.path != "embedded":
+        parts.append(f"--model {cfg.model.path}")
+    parts += [f"{flag} checkpoints/checkpoint-{cfg.iterations:06d}/{weights}", f"--prompts {cfg.eval.prompts}"]
+    if cfg.eval.limit:
+        parts.append(f"--limit {cfg.eval.limit}")
+    parts += [f"--seeds {cfg.eval.seeds}", f"--min-images {cfg.eval.min_images}", f"--steps {cfg.eval.steps}",
+              f"--cfg {cfg.eval.cfg:g}", f"--size {cfg.rollout.resolution}", f"--batch-size {cfg.eval.batch_size}"]
+    return " ".join(parts)
 
 
 def save_grid(out: Path, tag: str, result: dict, cfg) -> Path:
@@ -292,6 +373,21 @@ def read_config(path: Path):
         raise RunFolderError(message if str(path) in message else f"{path}: {message}") from exc
 
 
+def trained_steps_of(cfg) -> list[int] | None:
+    """The steps a run's update trained, from its settings and its model's scheduler (the time grid);
+    None when the model is not where the run found it."""
+    from stepfast import grpo
+    from stepfast.policy import resolve_model_path
+    from stepfast.sde import sd3_time_grid
+    from stepfast.startup import scheduler_shift
+
+    try:
+        shift = scheduler_shift(Path(resolve_model_path(cfg.model.path)))
+    except (OSError, ValueError):
+        shift = None
+    return None if shift is None else grpo.trained_steps(cfg, sd3_time_grid(cfg.sde.steps, shift=shift))
+
+
 def rebuild_report(run_dir) -> Path:
     """Rewrite RUN_DIR/report from the files of the run: metrics.csv, config.yaml, eval_*.json. The
     sample grids are not rebuilt (the images are not kept): those already in the report are kept,
@@ -314,7 +410,7 @@ def rebuild_report(run_dir) -> Path:
     except OSError as exc:
         raise RunFolderError(f"cannot write in {run_dir}: {exc}") from exc
     try:
-        fresh = write_report(tmp, rows, evals, None, cfg)
+        fresh = write_report(tmp, rows, evals, None, cfg, trained_steps_of(cfg))
         lines = [line for tag in ("before", "after") if (report / f"samples_{tag}.png").is_file()
                  for line in grid_link(tag)]  # fmt: skip
         if lines:

@@ -486,7 +486,7 @@ class Trainer:
             if line := gain_line(self.evals):
                 print(f"stepfast: {line}")
             if cfg.log.report:
-                write_report(self.out, self.logger.rows, self.evals, after, cfg)
+                write_report(self.out, self.logger.rows, self.evals, after, cfg, grpo.trained_steps(cfg, self.grid))
         self.logger.close()
         self.scorer.close()
         last = last or self.resume_from  # nothing trained after the checkpoint resumed

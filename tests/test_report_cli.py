@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 
 from stepfast.config import load_config
-from stepfast.report import write_report
+from stepfast.report import trained_steps_of, write_report
 
 PROG = "python -m stepfast.report: error: "
 
@@ -78,13 +78,17 @@ def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
     report = run / "report"
     # what write_report makes of the same data, held in memory as the trainer holds it
-    expected = write_report(tmp_path / "expected", rows, evals, None, load_config(str(run / "config.yaml"), ["resume=none"]))
+    cfg = load_config(str(run / "config.yaml"), ["resume=none"])
+    expected = write_report(tmp_path / "expected", rows, evals, None, cfg, trained_steps_of(cfg))
     summary = (report / "summary.md").read_text()
     assert summary.startswith((expected / "summary.md").read_text())
     assert "flow_grpo credit" in summary and "Iterations: 6" in summary
-    # the figures themselves, not only what write_report makes of them: the last iteration's reward,
+    # the figures themselves, not only what write_report makes of them: the train reward at the start
+    # and at the end (means over the first and the last 3 of 6 iterations), the mean time per iteration,
     # and the held-out overall from before to after training
-    assert f"last train reward {rows[-1]['reward']:.3f}; seconds per iteration 2.5 (rollout 1.5)" in summary
+    first, last = (np.mean([r["reward"] for r in part]) for part in (rows[:3], rows[3:]))
+    assert (f"Iterations: 6; train reward, mean over iterations 1-3: {first:.3f}, 4-6: {last:.3f}; seconds per "
+            "iteration, mean over the run: 2.5 (rollout 1.5)." in summary)  # fmt: skip
     b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
     assert round(a - b, 3) != 0 and f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**" in summary
     assert "![before](samples_before.png)" in summary and "samples_after" not in summary
@@ -168,16 +172,17 @@ def test_a_report_says_why_evaluations_that_do_not_pair_have_no_gain(run):
 def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
     """A run resumed with other sde.steps logs a gain step the earlier rows lack (the trainer's rows:
     the key missing; metrics.csv: an empty cell), and a time not logged in the last row: the
-    heatmap shows them blank and the summary says nan, instead of the report failing at the end of
-    the run."""
+    heatmap shows them blank and the summary's means leave them out, instead of the report failing
+    at the end of the run."""
     out, rows, evals = run
     trainer_rows = [dict(r) for r in rows]
     for r in trainer_rows[3:]:
         r["gain/2"] = 0.25  # from iteration 4 on
     del trainer_rows[-1]["time/rollout"]
-    report = write_report(out, trainer_rows, evals, None, load_config("default", ["iterations=6"]))
+    report = write_report(out, trainer_rows, evals, None, load_config("default", ["iterations=6"]), trained=[1, 2])
     assert (report / "gain_heatmap.png").is_file()
-    assert "seconds per iteration 2.5 ()" in (report / "summary.md").read_text()
+    assert "over training (hatched: the steps not trained, 0):" in (report / "summary.md").read_text()
+    assert "seconds per iteration, mean over the run: 2.5 (rollout 1.5)." in (report / "summary.md").read_text()
     fields = list(dict.fromkeys(k for r in trainer_rows for k in r))
     with open(out / "metrics.csv", "w", newline="") as f:  # as the logger rewrites it: "" where not logged
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -187,4 +192,4 @@ def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
     proc = run_cli(str(out))
     assert proc.returncode == 0, proc.stderr
     assert (report / "gain_heatmap.png").is_file()
-    assert "seconds per iteration 2.5 (rollout nan)" in (report / "summary.md").read_text()
+    assert "seconds per iteration, mean over the run: 2.5 (rollout 1.5)." in (report / "summary.md").read_text()

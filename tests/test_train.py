@@ -296,6 +296,10 @@ def test_saved_lora_loads_and_changes_samples(baseline, model_dir):
     pipe.load_lora_weights(str(out / "checkpoints" / "checkpoint-000004" / "lora"))
     after = sample()
     assert (after - before).abs().max() > 1e-3
+    # at the scale it was trained with (lora_alpha 8 over rank 4): the file holds the adapter's config,
+    # without which diffusers takes alpha = rank, half the trained scale here
+    (config,) = pipe.transformer.peft_config.values()
+    assert (config.r, config.lora_alpha) == (4, 8)
 
 
 def test_ema_lora_is_saved_beside_the_trained_one(model_dir, tmp_path):
@@ -532,6 +536,40 @@ def test_two_ranks_equal_one_rank(baseline, tmp_path):
                 assert got[i].get(key) is None, (i + 1, key)
             else:
                 assert got[i][key] == pytest.approx(want[i][key], abs=1e-5, rel=1e-5), (i + 1, key)
+
+
+def test_the_reports_evaluate_command_draws_the_evaluation_after_training_again(model_dir, tmp_path, monkeypatch):
+    """summary.md gives the `python -m stepfast.evaluate` command for the evaluation after training; run
+    from the run folder, it draws the same images (the sample grids below their titles, pixel for pixel:
+    the tiny model's images score 0 whatever they are) and scores them alike, image by image."""
+    import shlex
+
+    from stepfast import evaluate
+
+    out = tmp_path / "run"
+    evaluation = {"before_after": True, "prompts": "shapeeval:test", "reward": "shapes", "limit": 2, "seeds": 2,
+                  "min_images": 0, "steps": 2, "batch_size": 3}  # fmt: skip
+    cfg = base_config(model_dir, out, iterations=1, checkpoint_every=0, eval=evaluation,
+                      log={"tensorboard": False, "report": True})  # fmt: skip
+    train(write_config(tmp_path / "cfg.yaml", cfg))
+    summary = (out / "report" / "summary.md").read_text()
+    (command,) = [line.strip() for line in summary.splitlines() if line.strip().startswith("python -m stepfast.evaluate")]
+    args = shlex.split(command)[3:]
+    assert "checkpoints/checkpoint-000001/lora" in args and args[args.index("--model") + 1] == str(model_dir)
+    monkeypatch.chdir(out)
+    result = evaluate.main([*args, "--out", str(tmp_path / "again"), "--device", "cpu"])
+    kept = json.loads((out / "eval_after.json").read_text())["samples"]
+    assert [(s["prompt"], s["seed"], s["strict"], s["score"]) for s in result["samples"]] == [
+        (s["prompt"], s["seed"], s["strict"], s["score"]) for s in kept]  # fmt: skip
+    from PIL import Image
+
+    from stepfast.heldout import GRID_LINE
+
+    head = 2 * GRID_LINE + 8  # the titles differ ("after training" in the report)
+    drawn = np.asarray(Image.open(tmp_path / "again" / "samples.png"))[head:]
+    assert np.array_equal(np.asarray(Image.open(out / "report" / "samples_after.png"))[head:], drawn)
+    assert drawn.std() > 0
+    assert "Settings: 1 iterations of 2 groups of 4, 5 steps, T' = 2, CFG 2, LoRA rank 4, lr 0.03" in summary
 
 
 def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
