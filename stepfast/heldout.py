@@ -59,8 +59,10 @@ def sample_images(
     batch_size: int = 32,
     size: int | None = None,
     progress: bool = True,
+    desc: str = "sampling",
 ) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] (on the CPU) for prompt i drawn with seed seeds[i]."""
+    """Images [N, 3, H, W] in [0, 1] (on the CPU) for prompt i drawn with seed seeds[i]; `desc` names
+    the progress bar."""
     size = size or pipe.default_sample_size * pipe.vae_scale_factor
     previous = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
@@ -69,7 +71,7 @@ def sample_images(
     hooks = _CastToTransformer().attach(pipe.transformer)
     images = []
     try:
-        bar = tqdm(total=len(prompts), desc="sampling", unit="img", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(total=len(prompts), desc=desc, unit="img", disable=not progress, dynamic_ncols=True)
         for start in range(0, len(prompts), batch_size):
             chunk = slice(start, start + batch_size)
             # CPU generators: the same seed gives the same noise on every device.
@@ -206,7 +208,7 @@ def plan_samples(metadata: list[dict], seeds: int | list[int] = 4, min_images: i
 
 def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *, batch_size: int = 32,
                    reward=None, reward_name: str = "shapes", size: int | None = None,
-                   progress: bool = True) -> dict:  # fmt: skip
+                   progress: bool = True, desc: str = "sampling") -> dict:  # fmt: skip
     """Sample and score the images of `plan` (or of one rank's share of it) with `reward` (ShapeEval's
     when None), named `reward_name` in its errors: scores that are not one finite number per image
     are refused, each bad image named by its prompt and seed. Returns, in plan order, numpy arrays
@@ -221,7 +223,7 @@ def draw_and_score(pipe, plan: list[tuple[dict, int]], steps: int, cfg: float, *
     metas = [m for m, _ in plan]
     prompts = [m["prompt"] for m in metas]
     start = time.perf_counter()
-    images = sample_images(pipe, prompts, [s for _, s in plan], steps, cfg, batch_size, size, progress)
+    images = sample_images(pipe, prompts, [s for _, s in plan], steps, cfg, batch_size, size, progress, desc)
     sampled = time.perf_counter()
     pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     try:

@@ -416,9 +416,11 @@ class Trainer:
         metas, plan, reward, _ = self.eval_setup  # set at start whenever the config evaluates
         share, real = heldout.shard(plan, self.rank, self.world)
         with self.ema.applied(self.engine.module) if self.ema is not None else contextlib.nullcontext():
+            # the bar counts the first rank's share of the images
+            desc = f"eval {tag}" + (f" (rank 0: {len(share)} of {len(plan)})" if self.world > 1 else "")
             scored = heldout.draw_and_score(self.pipe, share, cfg.eval.steps, cfg.eval.cfg,
                                             batch_size=cfg.eval.batch_size, reward=reward, reward_name=cfg.eval.reward,
-                                            size=cfg.rollout.resolution, progress=self.main)  # fmt: skip
+                                            size=cfg.rollout.resolution, progress=self.main, desc=desc)  # fmt: skip
         scored = {k: (v if k == "seconds" else v[:real]) for k, v in scored.items()}
         if self.world > 1:
             pixels = scored.pop("pixels")  # the images are most of the bytes: scores alone go to every rank
@@ -492,6 +494,8 @@ class Trainer:
         last = last or self.resume_from  # nothing trained after the checkpoint resumed
         if self.main and last is not None:
             print(f"stepfast: done; checkpoint {last}")
+        if self.main and cfg.log.report:
+            print(f"stepfast: report {self.out / 'report' / 'summary.md'}; metrics {self.out / 'metrics.csv'}")
 
 
 def main(argv=None) -> int:
