@@ -88,8 +88,9 @@ def eval_iteration(tag: str, iterations: int) -> int | None:
 
 
 def eval_curve(evals: dict, iterations: int, path: Path) -> None:
-    """The held-out overall scores at each evaluation, on the scores' whole range [0, 1]: markers, joined
-    only when there are more than two; the title gives the gain before -> after and its standard error."""
+    """The held-out overall scores at each evaluation (on [0, 1] when they all lie there, as pass rates
+    and ShapeEval's scores do): markers, joined only when there are more than two; the title gives the
+    gain before -> after and its standard error."""
     plt = _plt()
     xs, strict, score = [], [], []
     for tag, e in evals.items():
@@ -101,7 +102,8 @@ def eval_curve(evals: dict, iterations: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot(np.array(xs)[order], np.array(strict)[order], "o" + style, label="overall (strict)")
     ax.plot(np.array(xs)[order], np.array(score)[order], "s" + ("--" if style else ""), label="overall (partial score)")
-    ax.set_ylim(0, 1)
+    if all(0 <= v <= 1 for v in [*strict, *score] if v == v):  # pass rates and [0, 1] scores: their whole range
+        ax.set_ylim(0, 1)
     ax.set_xlabel("iteration (0: before training)")
     ax.set_ylabel("held-out score")
     gain = held_out_gain(evals)
@@ -181,10 +183,11 @@ def gain_line(evals: dict) -> str | None:
 
 
 def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg,
-                 trained: list[int] | None = None) -> Path:  # fmt: skip
-    """report/ of a run: curves, tables, the held-out gain, and the sample grids: the one after
-    training drawn from `after`'s images, the one before linked where the trainer saved it.
-    `trained`: the denoising steps the update trains, hatched apart in the gain heatmap when given."""
+                 trained: list[int] | None = None, run_dir: Path | None = None) -> Path:  # fmt: skip
+    """report/ of a run, in `out`: curves, tables, the held-out gain, and the sample grids: the one
+    after training drawn from `after`'s images, the one before linked where the trainer saved it.
+    `trained`: the denoising steps the update trains, hatched apart in the gain heatmap when given;
+    `run_dir`: the run folder, with its checkpoints, when the report is written elsewhere first."""
     from stepfast.heldout import markdown_table
 
     report = Path(out) / "report"
@@ -217,11 +220,12 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
                       f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
                       "training seed spread on top of it.", ""]  # fmt: skip
-    if "after" in evals and (command := evaluate_command(cfg)):
-        lines += [f"The evaluation after training is of the weights of the run's last checkpoint; every image's "
-                  f"prompt, seed and scores are in eval_after.json (`samples`). To draw it again, from the run "
-                  f"folder (`{cfg.eval.reward}` rewards it; held-out prompts `{cfg.eval.prompts}`):", "",
-                  f"    {command}", ""]  # fmt: skip
+    if "after" in evals:
+        lines += ["The evaluation after training is of the weights of the run's last checkpoint; every image's "
+                  "prompt, seed and scores are in eval_after.json (`samples`)."]  # fmt: skip
+        if command := evaluate_command(cfg, run_dir or out):
+            lines += ["To draw it again:", "", f"    {command}"]
+        lines += [""]
     if (report / "samples_before.png").is_file():  # the trainer saves it when it draws it, before training
         lines += grid_link("before")
     if after is not None and "images" in after:
@@ -235,7 +239,8 @@ def settings_line(cfg) -> str:
     """The settings a reader compares runs by, in one line (all of them are in config.yaml)."""
     rollout, optim = cfg.rollout, cfg.optim
     adapter = f"LoRA rank {cfg.model.lora_rank}" if cfg.model.lora else "full fine-tuning"
-    return (f"Settings: {cfg.iterations} iterations of {rollout.groups} groups of {rollout.group_size}, "
+    return (f"Settings: {cfg.iterations} iteration{'s' if cfg.iterations != 1 else ''} of {rollout.groups} groups "
+            f"of {rollout.group_size}, "
             f"{cfg.sde.steps} steps, T' = {rollout.substeps}, CFG {rollout.cfg:g}, {adapter}, lr {optim.lr:g}, "
             f"KL {optim.beta:g}, seed {cfg.seed} (every setting: config.yaml).")
 
@@ -247,36 +252,67 @@ def training_line(rows: list[dict]) -> str:
     it = [r["iteration"] for r in rows]
     reward = np.array([_number(r.get("reward")) for r in rows])
     k = max(min(10, len(rows) // 2), 1)
-    first, last = np.nanmean(reward[:k]) if k else np.nan, np.nanmean(reward[-k:])
+
+    def span(part: slice) -> str:
+        first, last = it[part][0], it[part][-1]
+        return f"{first}" if first == last else f"{first}-{last}"
+
+    if k > 1:
+        trend = (f"mean over iterations {span(slice(0, k))}: {np.nanmean(reward[:k]):.3f}, "
+                 f"{span(slice(len(rows) - k, None))}: {np.nanmean(reward[-k:]):.3f}")  # fmt: skip
+    elif len(rows) > 1:
+        trend = f"iteration {it[0]}: {reward[0]:.3f}, iteration {it[-1]}: {reward[-1]:.3f}"
+    else:
+        trend = f"iteration {it[0]}: {reward[0]:.3f}"
     times = {}
     for key in dict.fromkeys(key for r in rows for key in r if str(key).startswith("time/")):
         values = np.array([_number(r.get(key)) for r in rows])
         if not np.isnan(values).all():
             times[key] = float(np.nanmean(values))
-    split = ", ".join(f"{key[5:]} {v:.1f}" for key, v in times.items() if key != "time/iteration")
-    spent = f"; seconds per iteration, mean over the run: {times['time/iteration']:.1f} ({split})" if "time/iteration" in times else ""
-    span = (f"iterations {it[0]}-{it[k - 1]}: {first:.3f}, {it[-k]}-{it[-1]}: {last:.3f}" if len(rows) > 1
-            else f"iteration {it[0]}: {last:.3f}")
-    return f"Iterations: {it[-1]}; train reward, mean over {span}{spent}."
+    spent = ""
+    if "time/iteration" in times:
+        split = ", ".join(f"{key[5:]} {v:.1f}" for key, v in times.items() if key != "time/iteration")
+        spent = f"; seconds per iteration, mean over the run: {times['time/iteration']:.1f}" + (f" ({split})" if split else "")
+    return f"Iterations: {it[-1]}; train reward, {trend}{spent}."
 
 
-def evaluate_command(cfg) -> str | None:
+def evaluate_command(cfg, out: Path) -> str | None:
     """The `python -m stepfast.evaluate` command that draws the run's evaluation after training again
-    from its last checkpoint (run from the run folder), or None where the evaluation's reward is not
-    the one `stepfast.evaluate` scores with (shapes)."""
-    if cfg.eval.reward != "shapes":
+    from the checkpoint of its last iteration in `out` (the run folder), its paths absolute so that it
+    runs from anywhere; None where it would not draw the same: an evaluation reward other than the
+    one `stepfast.evaluate` scores with (shapes, with its default options), frozen parts not in fp32,
+    that checkpoint not in `out`, or a LoRA file without its adapter config (one saved before the
+    config went with it, which diffusers loads at another scale)."""
+    import shlex
+
+    from stepfast.models import lora_weights_file, _holds_adapter_config
+
+    options = {k: v for k, v in (cfg.reward.options.get("shapes") or {}).items() if k != "device"}
+    if cfg.eval.reward != "shapes" or options or cfg.model.dtype != "fp32":
         return None
-    weights = ("lora" if cfg.model.lora else "transformer") + ("_ema" if cfg.optim.ema > 0 else "")
-    flag = "--lora" if cfg.model.lora else "--transformer"
-    parts = ["python -m stepfast.evaluate"]
+    weights = Path(out).resolve() / "checkpoints" / f"checkpoint-{cfg.iterations:06d}" / (
+        ("lora" if cfg.model.lora else "transformer") + ("_ema" if cfg.optim.ema > 0 else ""))  # fmt: skip
+    if not weights.is_dir():
+        return None
+    if cfg.model.lora:
+        try:
+            if not _holds_adapter_config(lora_weights_file(weights)):
+                return None
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def where(value: str) -> str:  # a path as the run took it (from the folder it was started in)
+        return str(Path(value).resolve()) if Path(value).exists() else value
+
+    args = ["python", "-m", "stepfast.evaluate"]
     if cfg.model.path != "embedded":
-        parts.append(f"--model {cfg.model.path}")
-    parts += [f"{flag} checkpoints/checkpoint-{cfg.iterations:06d}/{weights}", f"--prompts {cfg.eval.prompts}"]
+        args += ["--model", where(cfg.model.path)]
+    args += ["--lora" if cfg.model.lora else "--transformer", str(weights), "--prompts", where(cfg.eval.prompts)]
     if cfg.eval.limit:
-        parts.append(f"--limit {cfg.eval.limit}")
-    parts += [f"--seeds {cfg.eval.seeds}", f"--min-images {cfg.eval.min_images}", f"--steps {cfg.eval.steps}",
-              f"--cfg {cfg.eval.cfg:g}", f"--size {cfg.rollout.resolution}", f"--batch-size {cfg.eval.batch_size}"]
-    return " ".join(parts)
+        args += ["--limit", str(cfg.eval.limit)]
+    args += ["--seeds", str(cfg.eval.seeds), "--min-images", str(cfg.eval.min_images), "--steps", str(cfg.eval.steps),
+             "--cfg", repr(cfg.eval.cfg), "--size", str(cfg.rollout.resolution), "--batch-size", str(cfg.eval.batch_size)]
+    return shlex.join(args)
 
 
 def save_grid(out: Path, tag: str, result: dict, cfg) -> Path:
@@ -410,7 +446,7 @@ def rebuild_report(run_dir) -> Path:
     except OSError as exc:
         raise RunFolderError(f"cannot write in {run_dir}: {exc}") from exc
     try:
-        fresh = write_report(tmp, rows, evals, None, cfg, trained_steps_of(cfg))
+        fresh = write_report(tmp, rows, evals, None, cfg, trained_steps_of(cfg), run_dir=run_dir)
         lines = [line for tag in ("before", "after") if (report / f"samples_{tag}.png").is_file()
                  for line in grid_link(tag)]  # fmt: skip
         if lines:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 import yaml
 from PIL import Image
@@ -193,3 +194,46 @@ def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (report / "gain_heatmap.png").is_file()
     assert "seconds per iteration, mean over the run: 2.5 (rollout 1.5)." in (report / "summary.md").read_text()
+
+
+def test_the_evaluate_command_is_given_only_where_it_draws_the_evaluation_again(tmp_path):
+    """Its weights: the last iteration's checkpoint, the EMA's where evaluation samples with it, the
+    whole transformer after full fine-tuning; absolute, quoted paths. None where stepfast.evaluate
+    would draw or score otherwise: another reward or reward options, frozen parts not in fp32, no such
+    checkpoint, or a LoRA file without its adapter config (loaded at another scale)."""
+    import shlex
+
+    from safetensors.torch import save_file
+
+    from stepfast.report import evaluate_command
+
+    run = tmp_path / "a run"
+    ckpt = run / "checkpoints" / "checkpoint-000006"
+    prompts = tmp_path / "held out.txt"
+    prompts.write_text("a photo of a circle\n")
+
+    def lora(folder, config: bool):
+        folder.mkdir(parents=True, exist_ok=True)
+        metadata = {"format": "pt", **({"lora_adapter_metadata": "{}"} if config else {})}
+        tensors = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8)}
+        save_file(tensors, str(folder / "pytorch_lora_weights.safetensors"), metadata=metadata)
+
+    def command(*overrides):
+        return evaluate_command(load_config("default", ["iterations=6", f"eval.prompts={prompts}", *overrides]), run)
+
+    assert command() is None  # no checkpoint-000006
+    lora(ckpt / "lora", config=False)
+    assert command() is None  # saved without its config
+    lora(ckpt / "lora", config=True)
+    args = shlex.split(command())
+    assert args[args.index("--lora") + 1] == str((ckpt / "lora").resolve())
+    assert args[args.index("--prompts") + 1] == str(prompts.resolve())
+    assert (args[args.index("--limit") + 1], args[args.index("--cfg") + 1]) == ("64", "4.5")
+    assert command("optim.ema=0.9") is None  # its lora_ema/ is not there
+    lora(ckpt / "lora_ema", config=True)
+    assert str(ckpt / "lora_ema") in command("optim.ema=0.9")
+    (ckpt / "transformer").mkdir()
+    assert f"--transformer '{(ckpt / 'transformer').resolve()}'" in command("model.lora=false")
+    assert command("eval.reward=jpeg_compressibility") is None
+    assert command("reward.options.shapes.threshold=0.3") is None and command("model.dtype=bf16") is None
+    assert command("reward.options.shapes.device=cpu") is not None

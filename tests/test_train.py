@@ -555,8 +555,9 @@ def test_the_reports_evaluate_command_draws_the_evaluation_after_training_again(
     summary = (out / "report" / "summary.md").read_text()
     (command,) = [line.strip() for line in summary.splitlines() if line.strip().startswith("python -m stepfast.evaluate")]
     args = shlex.split(command)[3:]
-    assert "checkpoints/checkpoint-000001/lora" in args and args[args.index("--model") + 1] == str(model_dir)
-    monkeypatch.chdir(out)
+    assert args[args.index("--lora") + 1] == str((out / "checkpoints" / "checkpoint-000001" / "lora").resolve())
+    assert args[args.index("--model") + 1] == str(model_dir.resolve())
+    monkeypatch.chdir(tmp_path.parent)  # its paths are absolute: it runs from anywhere
     result = evaluate.main([*args, "--out", str(tmp_path / "again"), "--device", "cpu"])
     kept = json.loads((out / "eval_after.json").read_text())["samples"]
     assert [(s["prompt"], s["seed"], s["strict"], s["score"]) for s in result["samples"]] == [
@@ -569,7 +570,7 @@ def test_the_reports_evaluate_command_draws_the_evaluation_after_training_again(
     drawn = np.asarray(Image.open(tmp_path / "again" / "samples.png"))[head:]
     assert np.array_equal(np.asarray(Image.open(out / "report" / "samples_after.png"))[head:], drawn)
     assert drawn.std() > 0
-    assert "Settings: 1 iterations of 2 groups of 4, 5 steps, T' = 2, CFG 2, LoRA rank 4, lr 0.03" in summary
+    assert "Settings: 1 iteration of 2 groups of 4, 5 steps, T' = 2, CFG 2, LoRA rank 4, lr 0.03" in summary
 
 
 def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
