@@ -280,5 +280,7 @@ def save_lora(transformer, directory: str | Path, weights: dict[str, torch.Tenso
     # the adapter's config goes with it (in the file's metadata): without it, load_lora_weights takes
     # lora_alpha = rank, and an adapter trained at alpha = 2 x rank loads at half its scale
     metadata = transformer.peft_config["default"].to_dict()
+    if isinstance(metadata.get("target_modules"), (set, frozenset)):  # in one order: the same bytes each save
+        metadata["target_modules"] = sorted(metadata["target_modules"])
     StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state,
                                                transformer_lora_adapter_metadata=metadata)  # fmt: skip

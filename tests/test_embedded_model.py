@@ -232,6 +232,10 @@ def test_load_pipeline_names_the_component_that_is_missing_or_damaged(tmp_path):
                               "safetensors, which model.safetensors.index.json names): a partial download or copy?")
     (sharded / "text_encoder_3" / "model-00002-of-00002.safetensors").write_bytes(b"")
     assert check_pipeline_dir(sharded) == sharded
+    # another format's index whose shards were not downloaded: one complete index will do
+    bin_index = {"metadata": {}, "weight_map": {"a.weight": "pytorch_model-00001-of-00002.bin"}}
+    (sharded / "text_encoder_3" / "pytorch_model.bin.index.json").write_text(json.dumps(bin_index))
+    assert check_pipeline_dir(sharded) == sharded
     # a file diffusers cannot read is still named by the load
     damaged = shutil.copytree(good, tmp_path / "damaged")
     (damaged / "transformer" / "config.json").write_text("{not json")

@@ -78,14 +78,22 @@ def _component_lack(folder: Path, name: str) -> str | None:
         return None
     if not (folder / "config.json").is_file():
         return "config.json"
-    for index in folder.glob("*.index.json"):  # sharded weights: every shard named
+    # sharded weights: one index with every shard it names there will do (a folder may ship both a
+    # .safetensors and a .bin index, and a download keep one format)
+    lacks = []
+    for index in sorted(folder.glob("*.index.json")):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return f"readable {index.name}"
+            lacks.append(f"readable {index.name}")
+            continue
         absent = sorted(f for f in shards if not (folder / f).is_file())
-        if absent:
-            return f"{absent[0]}{f' (and {len(absent) - 1} more shards)' if len(absent) > 1 else ''}, which {index.name} names"
+        if not absent:
+            return None
+        lacks.append(f"{absent[0]}{f' (and {len(absent) - 1} more shards)' if len(absent) > 1 else ''}, which "
+                     f"{index.name} names")  # fmt: skip
+    if lacks:
+        return lacks[0]
     weights = [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
     return None if weights else "weights (*.safetensors or *.bin)"
 
