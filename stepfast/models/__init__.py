@@ -12,6 +12,7 @@ prompts it never saw). Real SD3 checkpoints get diffusers' default.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -206,6 +207,10 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
             "its rank, which is not the trained scale when alpha was another (stepfast's checkpoints before it "
             "saved the config: alpha = 2 x rank, loaded at half the scale)", stacklevel=2,
         )  # fmt: skip
+    # diffusers says, for each text encoder, that the file holds no LoRA of it: a transformer's
+    # adapter (stepfast's) never does
+    log, quiet = logging.getLogger("diffusers.loaders.lora_base"), _NoTextEncoderLora()
+    log.addFilter(quiet)
     try:
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
@@ -217,7 +222,17 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
                 "on another model?"
             ) from exc
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
+    finally:
+        log.removeFilter(quiet)
     return pipe
+
+
+class _NoTextEncoderLora(logging.Filter):
+    """Drops diffusers' notice that a LoRA file holds nothing for a text encoder."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("No LoRA keys associated to") and "TextModel" in message)
 
 
 def _holds_adapter_config(file: Path) -> bool:
