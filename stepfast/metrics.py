@@ -71,6 +71,7 @@ class MetricsLogger:
         fields: list[str] = []
         for r in self.rows:
             fields += [k for k in r if k not in fields]
+        fields.sort(key=_column_group)  # stable: first-seen order within a group
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
         def write(tmp: Path) -> None:
@@ -169,3 +170,16 @@ def _cell(text: str, where: str):
 
 def write_json(path, data) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
+
+
+def _column_group(key: str) -> tuple:
+    """metrics.csv's columns in groups whatever the iteration that first logged them: the iteration,
+    the figures, the prompt categories (by name: an iteration draws only some), the times with their
+    sum last."""
+    if key == "iteration":
+        return (0,)
+    if key.startswith("category/"):
+        return (2, key)
+    if key.startswith("time/"):
+        return (3, key == "time/iteration")
+    return (1,)

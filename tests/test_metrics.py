@@ -128,3 +128,22 @@ def test_sync_flushes_the_appended_rows_to_disk(tmp_path, monkeypatch):
     logger.sync()
     assert synced == [str(tmp_path / "metrics.csv")]
     logger.close()
+
+
+def test_metrics_csv_groups_its_columns_whatever_the_iteration_that_first_logged_them(tmp_path):
+    """A category first drawn at iteration 2 lands with the other categories, before the times, and
+    the iteration's total time comes last (it was after the first iteration's columns)."""
+    import csv
+
+    from stepfast.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, True, False, False, "p", {})
+    logger.log(1, {"reward": 0.5, "category/colors": 0.4, "time/rollout": 1.0, "time/iteration": 2.0})
+    logger.log(2, {"reward": 0.6, "category/colors": 0.5, "time/rollout": 1.0, "time/iteration": 2.0,
+                   "category/counting": 0.7, "grad_norm": 1.5})  # fmt: skip
+    logger.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["iteration", "reward", "grad_norm", "category/colors", "category/counting",
+                             "time/rollout", "time/iteration"]  # fmt: skip
+    assert rows[0]["category/counting"] == "" and rows[1]["category/counting"] == "0.7"
