@@ -223,7 +223,20 @@ class Batcher:
                     break
                 jobs.append(nxt)
                 count += len(nxt.images)
-            self._score(jobs)
+            try:
+                self._score(jobs)
+            except BaseException as exc:  # noqa: BLE001 (a reward raising SystemExit, say: this batch
+                # fails with a 500, and the one thread that scores goes on; had it ended, every later
+                # request would wait for an answer without end while /health said ok)
+                error = RuntimeError(f"a reward raised {type(exc).__name__}: {exc}")
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(error)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread that scores the requests is running."""
+        return self._thread.is_alive()
 
     def _score_members(self, name: str, members: list[ScoreJob], results: dict[int, dict]) -> None:
         """Reward `name` of `members` in one call, into results[id(job)][name]. When that call fails
@@ -337,6 +350,8 @@ class ScoreHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path != "/health":
             return self._send(404, {"error": f"no such path {self.path!r}; use GET /health or POST /score"})
+        if not self.server.batcher.alive:
+            return self._send(503, {"status": "down", "error": "the server's scoring thread has stopped"})
         self._send(200, {
             "status": "ok",
             "rewards": sorted(self.server.rewards),
@@ -349,8 +364,10 @@ class ScoreHandler(BaseHTTPRequestHandler):
         if self.path != "/score":
             return self._send(404, {"error": f"no such path {self.path!r}; use POST /score"})
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None:
             return self._send(411, {"error": "POST /score needs a Content-Length header"})
+        if not (length.isascii() and length.isdigit()):  # ('²' is a digit to str.isdigit, not to int)
+            return self._send(400, {"error": f"Content-Length must be a number of bytes, got {length!r}"})
         length, limit = int(length), self.server.max_request_bytes
         if length > limit:
             self._drain(length)
@@ -387,11 +404,14 @@ class ScoreHandler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client left (its timeout): nothing to answer
+            self.close_connection = True
 
     def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
         if self.server.verbose:

@@ -585,3 +585,54 @@ def test_batched_requests_keep_their_own_metadata_with_and_without_it():
         assert batcher.calls == 3  # 6 images in chunks of 2
     finally:
         batcher.close()
+
+
+class Exits:
+    """A reward whose first call raises SystemExit (a BaseException, not an Exception)."""
+
+    def __init__(self, reward):
+        self.reward, self.calls = reward, 0
+
+    def score(self, images, prompts, metadata=None):
+        self.calls += 1
+        if self.calls == 1:
+            raise SystemExit("the reward's library called sys.exit")
+        return self.reward.score(images, prompts, metadata)
+
+
+def test_a_reward_that_raises_systemexit_fails_its_batch_and_the_server_goes_on(local, scenes):
+    """The one thread that scores survives it: the batch gets the error (a 500 to its clients), the
+    next request its scores. Had the thread ended, every later request would wait without end while
+    /health said ok; /health says so when the thread is gone."""
+    images, prompts, _ = scenes
+    batcher = Batcher({"shapes": Exits(local["shapes"])}, batch_size=2, window_s=0.01)
+    with pytest.raises(RuntimeError, match="a reward raised SystemExit: the reward's library called sys.exit"):
+        batcher.submit(["shapes"], images[:2], prompts[:2], None).result(10)
+    expected = local["shapes"].score(images[2:4], prompts[2:4])
+    assert batcher.submit(["shapes"], images[2:4], prompts[2:4], None).result(10)["shapes"] == {
+        k: v.tolist() for k, v in expected.items()}  # fmt: skip
+    assert batcher.alive
+    batcher.close()
+    server = start(local)
+    try:
+        server.batcher.close()  # as if the thread had died
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        conn.request("GET", "/health")
+        answer = conn.getresponse()
+        assert answer.status == 503 and "scoring thread has stopped" in answer.read().decode()
+        conn.close()
+    finally:
+        stop(server)
+
+
+def test_a_content_length_that_is_not_a_number_is_a_bad_request(server):
+    """'²' is a digit to str.isdigit but not to int(): it broke the handler, which dropped the
+    connection without an answer."""
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn.putrequest("POST", "/score")
+    conn.putheader("Content-Length", "²")
+    conn.endheaders()
+    answer = conn.getresponse()
+    assert answer.status == 400 and "Content-Length must be a number of bytes" in answer.read().decode()
+    conn.close()
