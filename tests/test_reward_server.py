@@ -6,6 +6,7 @@ fails with RewardServerError naming the server. Every server here is started by 
 import base64
 import http.client
 import json
+import re
 import socket
 import struct
 import subprocess
@@ -368,6 +369,12 @@ class FaultProxy(LoopbackServer):
                 return 200, b'{"scores": {"shapes": [1, 2'
             if fault == "partial":
                 return 200, b'{"result": "no scores here"}'
+            if fault == "nan":  # as JSON's NaN token, which Python's parser reads
+                return 200, b'{"scores": {"shapes": {"score": [NaN, 1.0, 1.0, 1.0, 1.0, 1.0]}}}'
+            if fault == "huge":  # an integer past any float
+                return 200, b'{"scores": {"shapes": {"score": [1' + b"0" * 400 + b"]}}}"
+            if fault == "deep":  # brackets nested past the JSON parser's depth
+                return 200, b"[" * 200000
             if fault == "slow":
                 time.sleep(slow_s)
             conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=10)
@@ -636,3 +643,45 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(server):
     answer = conn.getresponse()
     assert answer.status == 400 and "Content-Length must be a number of bytes" in answer.read().decode()
     conn.close()
+
+
+def test_client_retries_answers_whose_scores_are_not_finite_or_not_parseable(proxy_factory, local, scenes):
+    """NaN or infinite scores, a number past a float, JSON nested past the parser's depth: malformed
+    answers, retried as the others, not an OverflowError or RecursionError out of the client."""
+    images, prompts, _ = scenes
+    proxy = proxy_factory(["nan", "huge", "deep"])
+    remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=3, backoff=0.01, timeout=10)
+    assert_same(remote.score(images, prompts), local["shapes"].score(images, prompts))
+    assert len(proxy.requests) == 4
+    proxy = proxy_factory(["nan"] * 3)
+    remote = rewards.load("remote", url=proxy.url, rewards=["shapes"], retries=2, backoff=0.01, timeout=10)
+    with pytest.raises(RewardServerError, match="shapes/score holds NaN or infinite scores"):
+        remote.score(images, prompts)
+
+
+def test_a_rejection_of_one_of_several_requests_says_where_its_images_start(server, scenes):
+    """The trainer scores 256 images a call; the client sends them batch_size at a time, and the server
+    numbers the images within its request: the error says which request it was."""
+    images, prompts, _ = scenes
+    asked = list(prompts[:5]) + ["a photo of a dog"]
+    remote = rewards.load("remote", url=server.url, rewards=["shapes"], batch_size=4, **FAST)
+    with pytest.raises(RewardServerError) as info:
+        remote.score(images, asked)
+    message = str(info.value)
+    assert "HTTP 400" in message and "in the request of images 4-5 of this batch of 6: add 4 to the image numbers above" in message
+    one = rewards.load("remote", url=server.url, rewards=["shapes"], batch_size=8, **FAST)
+    with pytest.raises(RewardServerError) as info:
+        one.score(images, asked)
+    assert "in the request of images" not in str(info.value)  # one request: its numbers are the batch's
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"batch_size": 0}, "batch_size must be >= 1 (images per request), got 0"),
+    ({"timeout": 0}, "timeout must be > 0 seconds, got 0.0"),
+    ({"retries": -1}, "retries must be >= 0, got -1"),
+    ({"backoff": -1}, "backoff must be >= 0 seconds, got -1.0"),
+])  # fmt: skip
+def test_client_options_that_cannot_work_are_refused_when_the_reward_is_built(options, message):
+    for name, required in (("remote", {"rewards": ["shapes"]}), ("geneval_remote", {})):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rewards.load(name, url="http://127.0.0.1:9", **required, **options)

@@ -27,7 +27,8 @@ import torch
 
 from stepfast.rewards.images import to_pil
 from stepfast.rewards import PromptError
-from stepfast.rewards.transport import MalformedResponse, check_accepts_connections, check_url, post
+from stepfast.rewards.transport import (MalformedResponse, check_accepts_connections, check_client_options,
+                                        check_url, post)
 
 _LIST_KEYS = ("scores", "rewards", "strict_rewards")
 _GROUP_KEYS = ("group_rewards", "group_strict_rewards")
@@ -44,6 +45,7 @@ class GenEvalRemoteReward:
         check_url(url)
         self.url, self.only_strict, self.batch_size = url, bool(only_strict), int(batch_size)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        check_client_options(self.timeout, self.retries, self.backoff, self.batch_size)
 
     def check(self, prompts, metadata=None) -> None:
         """Before any image is drawn: a PromptError for the first prompt without a GenEval record

@@ -20,13 +20,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 
 import numpy as np
 import torch
 
 from stepfast.rewards.combine import weighted_sum
 from stepfast.rewards.images import to_uint8
-from stepfast.rewards.transport import MalformedResponse, RewardServerError, check_url, get_json, post
+from stepfast.rewards.transport import (MalformedResponse, RewardServerError, check_client_options, check_url,
+                                        get_json, post)
 
 __all__ = ["RemoteReward", "RewardServerError"]
 
@@ -52,6 +54,7 @@ class RemoteReward:
         }
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.batch_size = int(batch_size)
+        check_client_options(self.timeout, self.retries, self.backoff, self.batch_size)
 
     def health(self, retries: int = 0) -> dict:
         """The server's /health answer, its rewards and limits (one try unless `retries`);
@@ -95,11 +98,20 @@ class RemoteReward:
             }
             if metadata is not None:
                 request["metadata"] = list(metadata[start:stop])
-            scores = post(
-                self.url + "/score", json.dumps(request).encode("utf-8"),
-                lambda body, n=stop - start: _parse_scores(body, self.names, n),
-                timeout=self.timeout, retries=self.retries, backoff=self.backoff, server=self.url,
-            )
+            try:
+                scores = post(
+                    self.url + "/score", json.dumps(request).encode("utf-8"),
+                    lambda body, n=stop - start: _parse_scores(body, self.names, n),
+                    timeout=self.timeout, retries=self.retries, backoff=self.backoff, server=self.url,
+                )
+            except RewardServerError as exc:
+                if len(prompts) <= self.batch_size:  # one request: its positions are the batch's
+                    raise
+                # the server counts images within the request (batch_size of them): say where it starts
+                raise RewardServerError(
+                    exc.url, exc.attempts, f"{exc.last_failure} [in the request of images {start}-{stop - 1} of "
+                    f"this batch of {len(prompts)}: add {start} to the image numbers above]"
+                ) from None
             for name, keys in scores.items():
                 for key, values in keys.items():
                     parts[name].setdefault(key, []).extend(values)
@@ -138,4 +150,6 @@ def _parse_scores(body: bytes, names: list[str], n: int) -> dict[str, dict[str, 
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
             ):
                 raise MalformedResponse(f"{name}/{key} is not a list of {n} numbers")
+            if key == "score" and not all(math.isfinite(float(v)) for v in values):  # float(): OverflowError past one
+                raise MalformedResponse(f"{name}/score holds NaN or infinite scores")
     return {name: scores[name] for name in names}

@@ -104,6 +104,19 @@ def check_accepts_connections(url: str, timeout: float = 10.0, retries: int = 0,
                      f"({last_failure}); is it running?")  # fmt: skip
 
 
+def check_client_options(timeout: float, retries: int, backoff: float, batch_size: int | None = None) -> None:
+    """A ValueError naming a reward client's option that cannot work: found when the reward is built
+    (the trainer's start), not at its first request."""
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    if not backoff >= 0:
+        raise ValueError(f"backoff must be >= 0 seconds, got {backoff}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (images per request), got {batch_size}")
+
+
 def _request(method, url, body, headers, parse, timeout, retries, backoff, server) -> Any:
     if retries < 0 or timeout <= 0 or backoff < 0:
         raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")
@@ -123,8 +136,10 @@ def _request(method, url, body, headers, parse, timeout, retries, backoff, serve
         if status == 200:
             try:
                 return parse(payload)
-            except (ValueError, TypeError, KeyError, IndexError) as exc:  # MalformedResponse, JSON errors
-                last_failure = f"malformed response ({exc}): {_excerpt(payload)}"
+            # MalformedResponse, JSON errors (RecursionError: brackets nested past the parser's depth;
+            # OverflowError: a number past a float)
+            except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError) as exc:
+                last_failure = f"malformed response ({type(exc).__name__}: {exc}): {_excerpt(payload)}"
                 continue
         last_failure = f"HTTP {status}: {_excerpt(payload)}"
         if 400 <= status < 500 and status not in _RETRYABLE_STATUS:

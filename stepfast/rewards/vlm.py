@@ -23,7 +23,7 @@ import torch
 
 from stepfast.rewards.images import to_pil
 from stepfast.rewards.transport import (MalformedResponse, RewardServerError, check_accepts_connections,
-                                       check_url, get_json, post)
+                                        check_client_options, check_url, get_json, post)
 
 UNIFIED_REWARD_TEMPLATE = (
     "<image>\nYou are given a text caption and a generated image based on that caption. Your task is "
@@ -65,6 +65,7 @@ class VlmJudgeReward:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = max(1, int(concurrency))
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        check_client_options(self.timeout, self.retries, self.backoff, None)
 
     def check_server(self) -> None:
         """At start, a ValueError naming the server when it does not accept connections (tried as a
