@@ -134,6 +134,42 @@ def check_png_size(size: tuple[int, int] | None, index: int) -> None:
                          f"limit of {limit} pixels per image (PIL's Image.MAX_IMAGE_PIXELS); send smaller images")
 
 
+def check_prompts(body: bytes, served) -> dict:
+    """The answer to POST /check {rewards, prompts[, metadata]}: {"ok": true} when every named reward
+    that has a check(prompts, metadata) hook accepts them, else {"ok": false, "reward", "index" (of the
+    first prompt refused, or null), "error"}: what a trainer asks at start, before it draws an image.
+    BadRequest for a body that is not such a request."""
+    from stepfast.rewards import PromptError
+
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise BadRequest(f"body is not JSON this server can read: {type(exc).__name__}") from exc
+    if not isinstance(request, dict) or not isinstance(request.get("prompts"), list):
+        raise BadRequest("body must be a JSON object with rewards, prompts[, metadata]")
+    rewards, prompts, metadata = request.get("rewards"), request["prompts"], request.get("metadata")
+    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
+        raise BadRequest('"rewards" must be a non-empty list of reward names')
+    missing = [r for r in rewards if r not in served]
+    if missing:
+        raise BadRequest(f"rewards {missing} are not served here; this server serves {sorted(served)}")
+    if not all(isinstance(p, str) for p in prompts):
+        raise BadRequest('"prompts" must be a list of strings')
+    if metadata is not None and (not isinstance(metadata, list) or len(metadata) != len(prompts)):
+        raise BadRequest(f'"metadata" must be a list of {len(prompts)} objects (or null entries)')
+    for name in rewards:
+        check = getattr(served[name], "check", None)
+        if check is None:
+            continue
+        try:
+            check(prompts, metadata if metadata is not None else [None] * len(prompts))
+        except PromptError as exc:
+            return {"ok": False, "reward": name, "index": exc.index, "error": exc.reason}
+        except ValueError as exc:
+            return {"ok": False, "reward": name, "index": None, "error": str(exc)}
+    return {"ok": True}
+
+
 def parse_request(
     body: bytes, served, max_pixels: int | None = None
 ) -> tuple[list[str], np.ndarray, list[str], list | None]:
@@ -361,8 +397,8 @@ class ScoreHandler(BaseHTTPRequestHandler):
         })
 
     def do_POST(self) -> None:
-        if self.path != "/score":
-            return self._send(404, {"error": f"no such path {self.path!r}; use POST /score"})
+        if self.path not in ("/score", "/check"):
+            return self._send(404, {"error": f"no such path {self.path!r}; use POST /score or POST /check"})
         length = self.headers.get("Content-Length")
         if length is None:
             return self._send(411, {"error": "POST /score needs a Content-Length header"})
@@ -376,6 +412,11 @@ class ScoreHandler(BaseHTTPRequestHandler):
                 "(--max-request-mb); send fewer images per request"
             })
         body = self.rfile.read(length)
+        if self.path == "/check":
+            try:
+                return self._send(200, check_prompts(body, self.server.rewards))
+            except BadRequest as exc:
+                return self._send(exc.status, {"error": str(exc)})
         try:
             parsed = parse_request(body, self.server.rewards, self.server.max_request_pixels)
             rewards, images, prompts, metadata = parsed

@@ -685,3 +685,21 @@ def test_client_options_that_cannot_work_are_refused_when_the_reward_is_built(op
     for name, required in (("remote", {"rewards": ["shapes"]}), ("geneval_remote", {})):
         with pytest.raises(ValueError, match=re.escape(message)):
             rewards.load(name, url="http://127.0.0.1:9", **required, **options)
+
+
+def test_the_client_checks_prompts_with_the_server_before_any_image(server):
+    """POST /check: the served rewards' check hooks, so a trainer scoring through the server names a
+    prompt it cannot score at start (its file and line), as it does for a local reward; a server
+    that does not answer is left to the server check, which names it."""
+    from stepfast.rewards import PromptError
+
+    remote = rewards.load("remote", url=server.url, rewards=["shapes"], **FAST)
+    remote.check(["a photo of a circle", "a photo of two squares"])
+    with pytest.raises(PromptError) as info:
+        remote.check(["a photo of a circle", "a photo of a dog"])
+    assert info.value.index == 1 and "'a photo of a dog' is not a ShapeEval prompt" in info.value.reason
+    assert f"(reward 'shapes' served by {server.url})" in info.value.reason
+    status, answer = post_raw(server, json.dumps({"rewards": ["nope"], "prompts": []}).encode(), path="/check")
+    assert status == 400 and "not served here" in answer["error"]
+    dead = rewards.load("remote", url="http://127.0.0.1:9", rewards=["shapes"], retries=0, timeout=1)
+    assert dead.check(["a photo of a dog"]) is None

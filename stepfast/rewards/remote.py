@@ -79,6 +79,28 @@ class RemoteReward:
         if missing:
             raise ValueError(f"reward server {self.url} serves {served}, not {missing}")
 
+    def check(self, prompts, metadata=None) -> None:
+        """Before any image is drawn: the server's rewards check the prompts (POST /check); a
+        PromptError naming the reward and the first prompt one refuses. Nothing is checked where the
+        server cannot be asked (not answering: the trainer's server check says so next; or a server
+        without /check)."""
+        from stepfast.rewards import PromptError
+
+        request = {"rewards": self.names, "prompts": list(prompts)}
+        if metadata is not None:
+            request["metadata"] = list(metadata)
+        try:
+            answer = post(self.url + "/check", json.dumps(request).encode("utf-8"), _parse_check,
+                          timeout=self.timeout, retries=self.retries, backoff=self.backoff, server=self.url)  # fmt: skip
+        except RewardServerError:
+            return
+        if answer["ok"]:
+            return
+        where = f"(reward {answer.get('reward')!r} served by {self.url})"
+        if isinstance(answer.get("index"), int):
+            raise PromptError(answer["index"], f"{answer.get('error')} {where}")
+        raise ValueError(f"{answer.get('error')} {where}")
+
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         pixels = to_uint8(images)
         prompts = list(prompts)
@@ -133,6 +155,14 @@ def encode_png(pixels: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _parse_check(body: bytes) -> dict:
+    """A /check answer: {"ok": true} or {"ok": false, "reward", "index", "error"}."""
+    answer = json.loads(body)
+    if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
+        raise MalformedResponse('no "ok" in the answer to /check')
+    return answer
 
 
 def _parse_scores(body: bytes, names: list[str], n: int) -> dict[str, dict[str, list]]:
