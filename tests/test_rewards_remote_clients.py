@@ -219,3 +219,18 @@ def test_the_per_tag_columns_are_told_apart_from_the_per_image_ones():
     assert is_tag_column("two_object_strict_accuracy") and is_tag_column("geneval_remote/colors_accuracy")
     for key in ("score", "accuracy", "strict_accuracy", "geneval_remote", "geneval_remote/strict_accuracy"):
         assert not is_tag_column(key), key
+
+
+def test_the_default_judge_pattern_reads_a_1_to_5_score_and_nothing_past_it():
+    """'Final Score: 10' is off the judge's 1-5 scale: no score (0, as an answer without one), not 1."""
+    import re
+
+    from stepfast.rewards.vlm import UNIFIED_REWARD_REGEX
+
+    def read(text):
+        match = re.search(UNIFIED_REWARD_REGEX, text)
+        return match.group(1) if match else None
+
+    assert [read(f"Final Score: {x}") for x in ("4", "4.5", "5.0", "1")] == ["4", "4.5", "5.0", "1"]
+    assert read("Final Score: 10") is None and read("Final Score: 4.5.1") is None and read("Final Score: 0") is None
+    assert read("the image ... Final Score: 3. It matches the caption.") == "3"

@@ -34,7 +34,9 @@ UNIFIED_REWARD_TEMPLATE = (
     "aesthetic appeal.\nBased on the above criteria, assign a score from 1 to 5 after 'Final Score:'.\n"
     "Your task is provided as follows:\nText Caption: [{prompt}]"
 )
-UNIFIED_REWARD_REGEX = r"Final Score:\s*([1-5](?:\.\d+)?)"
+# the judge's 1-5 score; a number that goes on (a 10, a 4.5.1) is not one: read as no score, not as its
+# first digit
+UNIFIED_REWARD_REGEX = r"Final Score:\s*([1-5](?:\.\d+)?)(?!\d|\.\d)"
 
 
 class VlmJudgeReward:
