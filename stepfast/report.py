@@ -409,21 +409,6 @@ def read_config(path: Path):
         raise RunFolderError(message if str(path) in message else f"{path}: {message}") from exc
 
 
-def trained_steps_of(cfg) -> list[int] | None:
-    """The steps a run's update trained, from its settings and its model's scheduler (the time grid);
-    None when the model is not where the run found it."""
-    from stepfast import grpo
-    from stepfast.policy import resolve_model_path
-    from stepfast.sde import sd3_time_grid
-    from stepfast.startup import scheduler_shift
-
-    try:
-        shift = scheduler_shift(Path(resolve_model_path(cfg.model.path)))
-    except (OSError, ValueError):
-        shift = None
-    return None if shift is None else grpo.trained_steps(cfg, sd3_time_grid(cfg.sde.steps, shift=shift))
-
-
 def rebuild_report(run_dir) -> Path:
     """Rewrite RUN_DIR/report from the files of the run: metrics.csv, config.yaml, eval_*.json. The
     sample grids are not rebuilt (the images are not kept): those already in the report are kept,
@@ -431,6 +416,8 @@ def rebuild_report(run_dir) -> Path:
     import os
     import shutil
     import tempfile
+
+    from stepfast.startup import trained_steps_of  # the model's time grid, when the model is still there
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

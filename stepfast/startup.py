@@ -169,11 +169,9 @@ def check_before_start(cfg) -> PromptFiles:
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         errors.append(f"model.path: {exc}")
     else:  # the steps trained depend on the model's time grid (its scheduler's shift)
-        shift = scheduler_shift(model_dir)
-        if shift is not None:
-            steps = grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=shift))
-            if problem := iteration_problem(cfg, steps, int(os.environ.get("WORLD_SIZE", "1"))):
-                errors.append(problem)
+        steps = trained_steps_of(cfg)
+        if steps is not None and (problem := iteration_problem(cfg, steps, int(os.environ.get("WORLD_SIZE", "1")))):
+            errors.append(problem)
     prompt_files = {"rollout.prompts": cfg.rollout.prompts}
     if cfg.eval.enabled:
         prompt_files["eval.prompts"] = cfg.eval.prompts
@@ -227,6 +225,14 @@ def scheduler_shift(model_dir: Path) -> float | None:
         return grid_shift(cls.from_config(cls.load_config(Path(model_dir) / "scheduler")).config)
     except Exception:  # noqa: BLE001 (an unreadable or unknown scheduler: the load says what it is)
         return None
+
+
+def trained_steps_of(cfg) -> list[int] | None:
+    """The steps the update trains (grpo.trained_steps) on the time grid of cfg.model.path's scheduler,
+    read from its files as the trainer reads it from the loaded pipeline; None when they cannot be
+    read (loading the pipeline names why)."""
+    shift = scheduler_shift(Path(resolve_model_path(cfg.model.path)))
+    return None if shift is None else grpo.trained_steps(cfg, sde.sd3_time_grid(cfg.sde.steps, shift=shift))
 
 
 def iteration_problem(cfg, steps: list[int], world: int) -> str | None:

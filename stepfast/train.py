@@ -39,7 +39,7 @@ from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
     check_resolution, decode, encode_prompts, grid_shift, latent_shape, load_policy_pipeline, quiet_loading_bars,
-    quiet_truncation_notices, resolve_model_path, save_lora, save_transformer,
+    quiet_truncation_notices, save_lora, save_transformer,
 )
 from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem, scheduler_shift, settings_file,
+    check_servers, cut_prompt_warnings, iteration_problem, settings_file, trained_steps_of,
 )
 
 
@@ -127,7 +127,7 @@ class Trainer:
                 print(f"stepfast: warning: {warning}", file=sys.stderr)
         quiet_truncation_notices(self.pipe)
         self.grid = sd3_time_grid(cfg.sde.steps, shift=grid_shift(self.pipe.scheduler.config))
-        steps = grpo.trained_steps(cfg, self.grid)
+        steps = self.trained_steps = grpo.trained_steps(cfg, self.grid)
         backward_calls = self._backward_calls(steps)
         accumulation = backward_calls // cfg.optim.updates_per_iteration
         if self.main:
@@ -488,7 +488,7 @@ class Trainer:
             if line := gain_line(self.evals):
                 print(f"stepfast: {line}")
             if cfg.log.report:
-                write_report(self.out, self.logger.rows, self.evals, after, cfg, grpo.trained_steps(cfg, self.grid))
+                write_report(self.out, self.logger.rows, self.evals, after, cfg, self.trained_steps)
         self.logger.close()
         self.scorer.close()
         last = last or self.resume_from  # nothing trained after the checkpoint resumed
@@ -511,14 +511,7 @@ def print_config_warnings(cfg) -> list[str]:
     """The warnings a run would print at start, for --print-config: with the steps trained when the
     model's scheduler config can be read (the grid's shift), and the DeepSpeed settings the installed
     DeepSpeed would not read when optim.deepspeed sets any."""
-    trained = None
-    try:
-        shift = scheduler_shift(resolve_model_path(cfg.model.path))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        shift = None
-    if shift is not None:
-        trained = grpo.trained_steps(cfg, sd3_time_grid(cfg.sde.steps, shift=shift))
-    warnings = config_warnings(cfg, trained)
+    warnings = config_warnings(cfg, trained_steps_of(cfg))
     if cfg.optim.deepspeed:
         from stepfast.engine import unread_settings
 

@@ -15,7 +15,8 @@ import yaml
 from PIL import Image
 
 from stepfast.config import load_config
-from stepfast.report import trained_steps_of, write_report
+from stepfast.report import write_report
+from stepfast.startup import trained_steps_of
 
 PROG = "python -m stepfast.report: error: "
 
