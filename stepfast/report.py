@@ -87,10 +87,10 @@ def eval_iteration(tag: str, iterations: int) -> int | None:
     return int(digits) if tag.startswith("iter") and digits.isascii() and digits.isdigit() else None
 
 
-def eval_curve(evals: dict, iterations: int, path: Path) -> None:
+def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = None) -> None:
     """The held-out overall scores at each evaluation (on [0, 1] when they all lie there, as pass rates
     and ShapeEval's scores do): markers, joined only when there are more than two; the title gives the
-    gain before -> after and its standard error."""
+    gain before -> after and its standard error (`gain`: `held_out_gain(evals)`, when there is one)."""
     plt = _plt()
     xs, strict, score = [], [], []
     for tag, e in evals.items():
@@ -106,7 +106,6 @@ def eval_curve(evals: dict, iterations: int, path: Path) -> None:
         ax.set_ylim(0, 1)
     ax.set_xlabel("iteration (0: before training)")
     ax.set_ylabel("held-out score")
-    gain = held_out_gain(evals)
     line = "" if gain is None else f"\nbefore -> after: {gain['gain']:+.3f}" + (
         f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
     ax.set_title(f"Held-out overall (mean of the categories){line}", fontsize=9)
@@ -121,13 +120,15 @@ def _number(cell) -> float:
     return float("nan") if cell in ("", None) else float(cell)
 
 
-def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None) -> bool:
+def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None) -> list[int] | None:
     """Mean |reward gain| per denoising step (rows) over training (columns); the steps not in
-    `trained` (when known) hatched: their gains count in the statistics, but no gradient flows there."""
+    `trained` (when known) hatched: their gains count in the statistics, but no gradient flows there.
+    Returns those steps ([] when none is, or `trained` is not known); None when no gain was logged,
+    and nothing is drawn."""
     keys = sorted({k for r in rows for k in r if k.startswith("gain/")}, key=lambda k: int(k.split("/")[1]))
     rows = [r for r in rows if not all(np.isnan(_number(r.get(k))) for k in keys)]  # some gain logged
     if not keys or not rows:
-        return False
+        return None
     # a step not logged at an iteration (a run resumed with other sde.steps) is a blank cell
     data = np.array([[_number(r.get(k)) for r in rows] for k in keys])
     plt = _plt()
@@ -137,12 +138,11 @@ def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None)
     steps = [int(k.split("/")[1]) for k in keys]
     ax.set_yticks(range(len(keys)), [str(j) for j in steps])
     title = "Mean |reward gain| of each denoising step"
-    if trained is not None:
-        untrained = [j for j in steps if j not in trained]
-        for j in untrained:
-            ax.axhspan(j - 0.5, j + 0.5, facecolor="none", edgecolor="white", hatch="//", linewidth=0)
-        if untrained:
-            title += f"\nhatched: not trained (deterministic, below sde.min_std or outside the window): {untrained}"
+    untrained = [] if trained is None else [j for j in steps if j not in trained]
+    for j in untrained:
+        ax.axhspan(j - 0.5, j + 0.5, facecolor="none", edgecolor="white", hatch="//", linewidth=0)
+    if untrained:
+        title += f"\nhatched: not trained (deterministic, below sde.min_std or outside the window): {untrained}"
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("iteration")
     ax.set_ylabel("denoising step j (x_j -> x_j+1)")
@@ -150,7 +150,7 @@ def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
+    return untrained
 
 
 def held_out_gain(evals: dict) -> dict | None:
@@ -196,13 +196,12 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
     if rows:
         reward_curve(rows, report / "reward_curve.png")
         lines += ["![reward](reward_curve.png)", "", training_line(rows), ""]
-    if gain_heatmap(rows, report / "gain_heatmap.png", trained):
-        steps = sorted({int(k.split("/")[1]) for r in rows for k in r if str(k).startswith("gain/")})
-        untrained = [j for j in steps if trained is not None and j not in trained]
+    if (untrained := gain_heatmap(rows, report / "gain_heatmap.png", trained)) is not None:
         note = f" (hatched: the steps not trained, {', '.join(map(str, untrained))})" if untrained else ""
         lines += [f"Mean |reward gain| per denoising step over training{note}:", "", "![gains](gain_heatmap.png)", ""]
+    gain = held_out_gain(evals)  # a bootstrap: once, for the plot and the summary
     if evals:
-        eval_curve(evals, cfg.iterations, report / "eval_curve.png")
+        eval_curve(evals, cfg.iterations, report / "eval_curve.png", gain)
         lines += ["![eval](eval_curve.png)", ""]
     for tag in ("before", "after"):
         if tag in evals:
@@ -210,7 +209,6 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                       "Overall is the mean of the categories, as GenEval's; n counts images (prompts x seeds).", ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
-        gain = held_out_gain(evals)
         if gain is None or gain["se"] is None:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
             if gain is None and (line := gain_line(evals)):
