@@ -322,6 +322,13 @@ def _next_keys(section: dict) -> list[str]:
     return [key for key in section if isinstance(key, str)][:1]
 
 
+def whole_number(value: float) -> int | None:
+    """`value` as an int when it is a whole number below 2**53 (where every integer is a float exactly,
+    so it is the integer typed: 1e3 is 1000), else None. Integer keys, and a reward's integer
+    options, take such a float."""
+    return int(value) if value.is_integer() and abs(value) < 2**53 else None
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """`value` checked against the annotation `tp` (ints widen to floats); ConfigError otherwise."""
     origin = typing.get_origin(tp)
@@ -361,8 +368,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is int and isinstance(value, float):  # iterations=1e3, which YAML reads as a float
-        if value.is_integer() and abs(value) < 2**53:  # every integer below 2**53 is a float exactly
-            return int(value)
+        if (whole := whole_number(value)) is not None:
+            return whole
         raise ConfigError(f"{where}: expected a whole number{' below 2**53' if value.is_integer() else ''}, "
                           f"got {value!r}")  # fmt: skip
     if isinstance(tp, type) and not isinstance(value, tp):
@@ -520,15 +527,7 @@ def _expand_home(cfg: Config) -> None:
     for key in PATH_KEYS:
         value = _get_dotted(cfg, key)
         if isinstance(value, str) and value.startswith("~"):  # (left as it is when there is no home)
-            _set_path(cfg, key, os.path.expanduser(value))
-
-
-def _set_path(cfg: Config, key: str, value: str) -> None:
-    *sections, last = key.split(".")
-    target = cfg
-    for section in sections:
-        target = getattr(target, section)
-    setattr(target, last, value)
+            _set_dotted(cfg, key, os.path.expanduser(value))
 
 
 #: The choices of the enumerated keys (config imports nothing of stepfast; a test checks that these

@@ -22,6 +22,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from stepfast.config import whole_number
+
 
 class Reward(Protocol):
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]: ...
@@ -143,8 +145,8 @@ def _check_options(name: str, build, options: dict) -> dict:
         kind, optional = _plain(hints.get(key))
         if kind is None or (optional and value is None):
             continue
-        if kind is int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-            checked[key] = value = int(value)
+        if kind is int and isinstance(value, float) and (whole := whole_number(value)) is not None:
+            checked[key] = value = whole
         fits, what = _PLAIN[kind]
         if not fits(value):
             raise ValueError(f"reward {name!r}: option {key} must be {what}{' or null' if optional else ''}, "
