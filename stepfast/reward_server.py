@@ -134,6 +134,16 @@ def check_png_size(size: tuple[int, int] | None, index: int) -> None:
                          f"limit of {limit} pixels per image (PIL's Image.MAX_IMAGE_PIXELS); send smaller images")
 
 
+def _served(rewards, served) -> list[str]:
+    """A request's "rewards", checked: a non-empty list of names this server serves; else BadRequest."""
+    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
+        raise BadRequest('"rewards" must be a non-empty list of reward names')
+    missing = [r for r in rewards if r not in served]
+    if missing:
+        raise BadRequest(f"rewards {missing} are not served here; this server serves {sorted(served)}")
+    return rewards
+
+
 def check_prompts(body: bytes, served) -> dict:
     """The answer to POST /check {rewards, prompts[, metadata]}: {"ok": true} when every named reward
     that has a check(prompts, metadata) hook accepts them, else {"ok": false, "reward", "index" (of the
@@ -147,12 +157,7 @@ def check_prompts(body: bytes, served) -> dict:
         raise BadRequest(f"body is not JSON this server can read: {type(exc).__name__}") from exc
     if not isinstance(request, dict) or not isinstance(request.get("prompts"), list):
         raise BadRequest("body must be a JSON object with rewards, prompts[, metadata]")
-    rewards, prompts, metadata = request.get("rewards"), request["prompts"], request.get("metadata")
-    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
-        raise BadRequest('"rewards" must be a non-empty list of reward names')
-    missing = [r for r in rewards if r not in served]
-    if missing:
-        raise BadRequest(f"rewards {missing} are not served here; this server serves {sorted(served)}")
+    rewards, prompts, metadata = _served(request.get("rewards"), served), request["prompts"], request.get("metadata")
     if not all(isinstance(p, str) for p in prompts):
         raise BadRequest('"prompts" must be a list of strings')
     if metadata is not None and (not isinstance(metadata, list) or len(metadata) != len(prompts)):
@@ -187,12 +192,7 @@ def parse_request(
     unknown = sorted(set(request) - {"rewards", "images", "prompts", "metadata"})
     if unknown:
         raise BadRequest(f"unknown fields {unknown}; expected rewards, images, prompts, metadata")
-    rewards = request.get("rewards")
-    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
-        raise BadRequest('"rewards" must be a non-empty list of reward names')
-    missing = [r for r in rewards if r not in served]
-    if missing:
-        raise BadRequest(f"rewards {missing} are not served here; this server serves {sorted(served)}")
+    rewards = _served(request.get("rewards"), served)
     images, prompts = request.get("images"), request.get("prompts")
     if not isinstance(images, list) or not images:
         raise BadRequest('"images" must be a non-empty list of base64 PNG strings')

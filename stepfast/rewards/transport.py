@@ -118,8 +118,7 @@ def check_client_options(timeout: float, retries: int, backoff: float, batch_siz
 
 
 def _request(method, url, body, headers, parse, timeout, retries, backoff, server) -> Any:
-    if retries < 0 or timeout <= 0 or backoff < 0:
-        raise ValueError(f"need retries >= 0, timeout > 0, backoff >= 0; got {retries}, {timeout}, {backoff}")
+    check_client_options(timeout, retries, backoff)
     parts = check_url(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     last_failure = "no attempt made"
