@@ -283,7 +283,7 @@ def evaluate_command(cfg, out: Path) -> str | None:
     config went with it, which diffusers loads at another scale)."""
     import shlex
 
-    from stepfast.models import lora_weights_file, _holds_adapter_config
+    from stepfast.models import holds_adapter_config, lora_weights_file
 
     options = {k: v for k, v in (cfg.reward.options.get("shapes") or {}).items() if k != "device"}
     if cfg.eval.reward != "shapes" or options or cfg.model.dtype != "fp32":
@@ -294,7 +294,7 @@ def evaluate_command(cfg, out: Path) -> str | None:
         return None
     if cfg.model.lora:
         try:
-            if not _holds_adapter_config(lora_weights_file(weights)):
+            if not holds_adapter_config(lora_weights_file(weights)):
                 return None
         except (FileNotFoundError, ValueError):
             return None

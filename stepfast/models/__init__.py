@@ -201,7 +201,7 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     FileNotFoundError when `path` does not exist, ValueError naming it when it is not such weights
     (see `lora_weights_file`, which checks that without a pipeline) or they do not fit `pipe`."""
     file = lora_weights_file(path)
-    if file.suffix == ".safetensors" and not _holds_adapter_config(file):
+    if file.suffix == ".safetensors" and not holds_adapter_config(file):
         warnings.warn(
             f"{file} holds no adapter config (lora_alpha, in its metadata): diffusers loads it with lora_alpha = "
             "its rank, which is not the trained scale when alpha was another (stepfast's checkpoints before it "
@@ -235,7 +235,7 @@ class _NoTextEncoderLora(logging.Filter):
         return not (message.startswith("No LoRA keys associated to") and "TextModel" in message)
 
 
-def _holds_adapter_config(file: Path) -> bool:
+def holds_adapter_config(file: Path) -> bool:
     """Whether a .safetensors LoRA file carries its adapter's config in its metadata (diffusers'
     `lora_adapter_metadata`, written by save_lora_weights(..., transformer_lora_adapter_metadata=))."""
     from safetensors import safe_open
