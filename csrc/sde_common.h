@@ -54,6 +54,19 @@ struct Lanes {
   }
 };
 
+// Calls one(i, k) for every i in [0, n), with its lane k = i mod kLanes: the whole rows of kLanes as
+// one vectorised loop, then the rest. The per-chunk loops of both ops go through it, so their sums
+// take Lanes' order alike.
+template <typename F>
+inline void for_each_lane(int64_t n, F&& one) {
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= n; i0 += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) one(i0 + k, k);
+  }
+  for (int64_t k = 0; i0 + k < n; ++k) one(i0 + k, k);
+}
+
 struct In {
   const void* data;
   at::ScalarType dtype;

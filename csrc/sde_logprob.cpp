@@ -43,12 +43,7 @@ STEPFAST_SIMD_CLONES Sums logprob_chunk(const float* x, const float* v, const fl
       if (SAVE) dvo[i] = dv;
     }
   };
-  int64_t i0 = 0;
-  for (; i0 + kLanes <= n; i0 += kLanes) {
-#pragma omp simd
-    for (int64_t k = 0; k < kLanes; ++k) one(i0 + k, k);
-  }
-  for (int64_t k = 0; i0 + k < n; ++k) one(i0 + k, k);
+  for_each_lane(n, one);
   return {TOKENS ? 0.f : acc.fold(), KL ? acck.fold() : 0.f};
 }
 

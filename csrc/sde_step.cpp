@@ -30,12 +30,7 @@ STEPFAST_SIMD_CLONES float step_chunk(const float* x, const float* v, const floa
     else
       acc.lane[k] += d * d;
   };
-  int64_t i0 = 0;
-  for (; i0 + kLanes <= n; i0 += kLanes) {
-#pragma omp simd
-    for (int64_t k = 0; k < kLanes; ++k) one(i0 + k, k);
-  }
-  for (int64_t k = 0; i0 + k < n; ++k) one(i0 + k, k);
+  for_each_lane(n, one);
   return TOKENS ? 0.f : acc.fold();
 }
 
