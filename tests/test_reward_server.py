@@ -183,11 +183,44 @@ def test_bad_requests_get_clear_errors(server, scenes, local):
         status, answer = post_raw(small, b"x" * 100_000)
         assert status == 413 and "limit of 4096 bytes" in answer["error"]
         remote = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        remote.limits = lambda: (None, None)  # a client that does not know the limit sends it all at once
         with pytest.raises(RewardServerError, match="after 1 attempt.*HTTP 413") as info:
             remote.score(images, prompts)  # a request error is not retried
         assert info.value.url == small.url
     finally:
         stop(small)
+
+
+def test_the_client_splits_a_batch_to_fit_the_servers_advertised_limits(local, scenes):
+    """The server's /health says its limits; the client cuts a batch into requests that fit them
+    (read once), so a small limit costs requests, not a 413 after a rollout. One image over a limit
+    alone is an error naming the server, the limit and the image, sent nowhere."""
+    images, prompts, metas = scenes
+    request_bytes = len(json.dumps({"rewards": ["shapes"], "images": [encode_png(i) for i in images[:2]],
+                                    "prompts": prompts[:2], "metadata": metas[:2]}).encode())  # fmt: skip
+    small = start(local, max_request_bytes=request_bytes + 8)  # two images a request, not three
+    try:
+        remote = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        sent = []
+        remote._requests = lambda *args, cut=remote._requests: sent.append(cut(*args)) or sent[-1]
+        assert_same(remote.score(images, prompts, metas), local["shapes"].score(images, prompts, metas))
+        (cuts,) = sent
+        assert cuts[0] == (0, 2) and [c[0] for c in cuts[1:]] == [c[1] for c in cuts[:-1]] and cuts[-1][1] == 6
+        for start_, stop_ in cuts:  # each request as sent fits
+            assert len(json.dumps({"rewards": ["shapes"], "images": [encode_png(i) for i in images[start_:stop_]],
+                                   "prompts": prompts[start_:stop_], "metadata": metas[start_:stop_]}).encode()
+                       ) <= request_bytes + 8  # fmt: skip
+        assert remote.limits() == (request_bytes + 8, 256 << 20)
+    finally:
+        stop(small)
+
+    one = start(local, max_request_bytes=300)
+    try:
+        with pytest.raises(ValueError, match=rf"reward server {one.url} takes at most 300 bytes a request "
+                                             r"\(its --max-request-mb\); image 0 of this batch alone makes a request of"):
+            rewards.load("remote", url=one.url, rewards=["shapes"], **FAST).score(images, prompts)
+    finally:
+        stop(one)
 
 
 def explodes(images, prompts, metadata):
@@ -239,7 +272,8 @@ def test_an_image_too_large_to_decode_is_a_bad_request(server, scenes, monkeypat
 
 def test_images_over_the_request_pixel_limit_are_refused_before_decoding(local, scenes):
     """Each image under PIL's limit, but many of them: the total the headers declare is capped per
-    request (413, which the client does not retry), and /health says the cap."""
+    request (413, which the client does not retry), and /health says the cap, which the client keeps
+    to (it splits a batch over it; an image over it alone is an error)."""
     images, prompts, _ = scenes
     small = start(local, max_request_pixels=3 * 64 * 64)
     try:
@@ -249,9 +283,14 @@ def test_images_over_the_request_pixel_limit_are_refused_before_decoding(local, 
         assert status == 413 and answer["error"].startswith(
             "the 4 images declare 16384 pixels in all, over this server's limit of 12288 per request"), (status, answer)
         remote = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        blind = rewards.load("remote", url=small.url, rewards=["shapes"], **FAST)
+        blind.limits = lambda: (None, None)  # a client that does not know the limit sends it all at once
         with pytest.raises(RewardServerError, match="after 1 attempt.*HTTP 413.*declare 16384 pixels"):
-            remote.score(images[:4], prompts[:4])
-        assert_same(remote.score(images[:3], prompts[:3]), local["shapes"].score(images[:3], prompts[:3]))
+            blind.score(images[:4], prompts[:4])
+        assert_same(remote.score(images[:4], prompts[:4]), local["shapes"].score(images[:4], prompts[:4]))
+        with pytest.raises(ValueError, match=r"takes at most 12288 pixels a request \(its --max-request-mpixels\); "
+                                             r"each image here has 128x128 = 16384"):
+            remote.score(np.zeros((2, 128, 128, 3), np.uint8), prompts[:2])
     finally:
         stop(small)
 

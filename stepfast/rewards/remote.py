@@ -10,7 +10,9 @@ appears as "<name>" and "<name>/<key>", as `WeightedReward` lays it out: as `eva
 bundle has no top-level "strict", so the held-out table's strict columns read nan.
 
 Images travel as PNG (lossless: the server scores the same uint8 pixels `to_uint8` gives here),
-at most `batch_size` per request. Failures are retried with exponential backoff (see
+at most `batch_size` per request, and no more per request than the server's advertised limits
+(`max_request_bytes`, `max_request_pixels` of its /health answer, read once) let in: a batch is
+split to fit them rather than refused with a 413 after a rollout. Failures are retried with exponential backoff (see
 `stepfast.rewards.transport`); after the last retry `RewardServerError` names the server and the
 last failure, so a trainer can stop cleanly and keep its last checkpoint.
 """
@@ -55,6 +57,7 @@ class RemoteReward:
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.batch_size = int(batch_size)
         check_client_options(self.timeout, self.retries, self.backoff, self.batch_size)
+        self._limits: tuple[int | None, int | None] | None = None  # the server's (bytes, pixels) a request
 
     def health(self, retries: int = 0) -> dict:
         """The server's /health answer, its rewards and limits (one try unless `retries`);
@@ -78,6 +81,18 @@ class RemoteReward:
         missing = [name for name in self.names if name not in served]
         if missing:
             raise ValueError(f"reward server {self.url} serves {served}, not {missing}")
+        self._limits = _limits_of(health)
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """The server's limits on one request, (bytes of its body, pixels of its images), as its
+        /health says (None for one it does not say); asked once, when first needed. A server that
+        does not answer now is asked again next time (the score request then fails and is retried)."""
+        if self._limits is None:
+            try:
+                self._limits = _limits_of(self.health())
+            except RewardServerError:
+                return None, None
+        return self._limits
 
     def check(self, prompts, metadata=None) -> None:
         """Before any image is drawn: the server's rewards check the prompts (POST /check); a
@@ -111,13 +126,9 @@ class RemoteReward:
         if metadata is not None and len(metadata) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(metadata)} metadata records")
         parts: dict[str, dict[str, list]] = {name: {} for name in self.names}
-        for start in range(0, len(prompts), self.batch_size):
-            stop = min(start + self.batch_size, len(prompts))
-            request = {
-                "rewards": self.names,
-                "images": [encode_png(p) for p in pixels[start:stop]],
-                "prompts": prompts[start:stop],
-            }
+        encoded = [encode_png(p) for p in pixels]
+        for start, stop in self._requests(encoded, pixels, prompts, metadata):
+            request = {"rewards": self.names, "images": encoded[start:stop], "prompts": prompts[start:stop]}
             if metadata is not None:
                 request["metadata"] = list(metadata[start:stop])
             try:
@@ -127,9 +138,9 @@ class RemoteReward:
                     timeout=self.timeout, retries=self.retries, backoff=self.backoff, server=self.url,
                 )
             except RewardServerError as exc:
-                if len(prompts) <= self.batch_size:  # one request: its positions are the batch's
+                if stop - start == len(prompts):  # one request: its positions are the batch's
                     raise
-                # the server counts images within the request (batch_size of them): say where it starts
+                # the server counts images within the request: say where it starts
                 raise RewardServerError(
                     exc.url, exc.attempts, f"{exc.last_failure} [in the request of images {start}-{stop - 1} of "
                     f"this batch of {len(prompts)}: add {start} to the image numbers above]"
@@ -146,6 +157,48 @@ class RemoteReward:
         if self.weights is None:
             return tensors[self.names[0]]
         return weighted_sum(tensors, self.weights)
+
+
+    def _requests(self, encoded: list[str], pixels: np.ndarray, prompts: list, metadata) -> list[tuple[int, int]]:
+        """The batch cut into requests [start, stop): each of at most `batch_size` images, and within
+        the server's limits. A ValueError naming the image and the limit when one image alone is over
+        it (the server would refuse it, and splitting cannot help)."""
+        max_bytes, max_pixels = self.limits()
+        keys = {"rewards": self.names, "images": [], "prompts": []} | ({} if metadata is None else {"metadata": []})
+        empty = len(json.dumps(keys).encode("utf-8"))
+        image_pixels = int(pixels.shape[1]) * int(pixels.shape[2])
+
+        def size(i: int) -> int:  # an upper bound of what image i adds to a request's JSON: ", " and quotes
+            n = len(encoded[i]) + 4 + len(json.dumps(prompts[i]).encode("utf-8")) + 2
+            return n if metadata is None else n + len(json.dumps(metadata[i]).encode("utf-8")) + 2
+
+        requests, start = [], 0
+        while start < len(prompts):
+            stop, total = start, empty
+            while stop < len(prompts) and stop - start < self.batch_size:
+                over_bytes = max_bytes is not None and total + size(stop) > max_bytes
+                over_pixels = max_pixels is not None and (stop - start + 1) * image_pixels > max_pixels
+                if over_bytes or over_pixels:
+                    break
+                total, stop = total + size(stop), stop + 1
+            if stop == start:
+                limit = (f"{max_bytes} bytes a request (its --max-request-mb); image {start} of this batch alone makes "
+                         f"a request of {empty + size(start)} bytes") if over_bytes else (
+                         f"{max_pixels} pixels a request (its --max-request-mpixels); each image here has "
+                         f"{pixels.shape[2]}x{pixels.shape[1]} = {image_pixels}")  # fmt: skip
+                raise ValueError(f"reward server {self.url} takes at most {limit}: raise the server's limit")
+            requests.append((start, stop))
+            start = stop
+        return requests
+
+
+def _limits_of(health) -> tuple[int | None, int | None]:
+    """(max_request_bytes, max_request_pixels) of a /health answer; None for one it lacks or garbles."""
+    def positive(key):
+        value = health.get(key) if isinstance(health, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    return positive("max_request_bytes"), positive("max_request_pixels")
 
 
 def encode_png(pixels: np.ndarray) -> str:
