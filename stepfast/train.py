@@ -41,7 +41,7 @@ from stepfast.policy import (
     check_resolution, decode, encode_prompts, grid_shift, latent_shape, load_policy_pipeline, quiet_loading_bars,
     quiet_truncation_notices, save_lora, save_transformer,
 )
-from stepfast.report import eval_tag
+from stepfast.report import eval_iteration, eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
 from stepfast.rewards.transport import RewardServerError
@@ -288,6 +288,24 @@ class Trainer:
                   "evaluation and report")  # fmt: skip
         elif self.main:
             print(f"stepfast: resumed from {path} at iteration {self.start}")
+            self._set_aside_later_evaluations()
+
+    def _set_aside_later_evaluations(self) -> None:
+        """A run resumed to train on: the evaluations a previous attempt wrote of later weights (the
+        one after training of a run that ended at the resumed checkpoint, and its sample grid; those
+        between iterations past it) would stand in this run's report until replaced, and past a crash
+        they would not be. Each is kept as <name>-before-<start>, which the report does not read."""
+        start = self.start
+        later = [self.out / "eval_after.json", self.out / "report" / "samples_after.png"]
+        later += [p for p in self.out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
+        moved = []
+        for path in sorted(p for p in later if p.is_file()):
+            kept = path.with_name(f"{path.stem}-before-{start}{path.suffix}")
+            os.replace(path, kept)
+            moved.append(kept.relative_to(self.out))
+        if moved:
+            print(f"stepfast: the evaluations of weights past iteration {start - 1} that {self.out} held are "
+                  f"kept as {', '.join(map(str, moved))}: this run draws its own")
 
     def save(self, iteration: int) -> Path:
         # collective under ZeRO (every rank takes part in assembling each weight); rank 0 keeps them

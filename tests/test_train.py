@@ -624,15 +624,23 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     report = out / "report"
     grid = (report / "samples_before.png").read_bytes()
     (report / "summary.md").unlink()  # as if the run had stopped before writing its report
+    ended = {name: (out / name).read_bytes() for name in ("eval_after.json", "report/samples_after.png")}
     proc = train(config, "resume=auto", "iterations=3")
+    # the first attempt's evaluation after training (of iteration 1's weights) is set aside, not lost:
+    # had this run crashed, its report would have shown it as the evaluation after training
+    assert (f"the evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
+            "report/samples_after-before-2.png: this run draws its own") in proc.stdout, proc.stdout[-2000:]
+    for name, data in ended.items():
+        kept = out / name.replace("after.", "after-before-2.")
+        assert kept.read_bytes() == data and (out / name).read_bytes() != data
     # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error
     assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
     rows = metrics(out)
     assert [r["eval/strict"] is not None for r in rows] == [False, True, False]
     evaluated = json.loads((out / "eval_iter000002.json").read_text())
     assert rows[1]["eval/strict"] == evaluated["overall"]["strict"]
-    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_after.json", "eval_before.json",
-                                                                "eval_iter000002.json"]  # fmt: skip
+    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_after-before-2.json", "eval_after.json",
+                                                                "eval_before.json", "eval_iter000002.json"]  # fmt: skip
     summary = (report / "summary.md").read_text()
     assert "![before](samples_before.png)" in summary and "![after](samples_after.png)" in summary
     assert (report / "samples_before.png").read_bytes() == grid  # drawn once, before training
