@@ -96,7 +96,7 @@ def select_backend(device: torch.device | str, backend: str | None = None) -> st
     return choice
 
 
-def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: str, patch_size) -> None:
+def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: str, patch_size, times=()) -> None:
     if kind not in sde.SAMPLERS:
         raise ValueError(f"unknown sampler {kind!r}: expected one of {', '.join(sde.SAMPLERS)}")
     if convention not in sde.LOGPROB_CONVENTIONS:
@@ -107,6 +107,12 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         optional = name in ("noise", "v_ref")  # drawn when None; no KL when None
         if not isinstance(tensor, torch.Tensor) and not (optional and tensor is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    named = {"x_t": x_t, **others, **dict(zip(("t", "s"), times))}
+    meta = [name for name, u in named.items() if isinstance(u, torch.Tensor) and u.is_meta]
+    if meta:
+        raise ValueError(f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device: the SDE ops read "
+                         "the times' values and check each step's std, which a meta tensor does not hold; call them "
+                         "with tensors that hold data (torch.compile traces them without reading values)")  # fmt: skip
     if x_t.dim() < 1:
         raise ValueError("x_t needs a batch dimension")
     if x_t.shape[0] and not x_t[0].numel():
@@ -219,7 +225,7 @@ def sde_step_with_logprob(
     `sde_logprob`. `params`: the sampler's, `eta` for ddim (default 1), `noise_level` for flow_sde and
     cps (default 0.7); `backend`: "torch", "cpp" or "triton" instead of the device's default.
     """
-    _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size)
+    _check(kind, x_t, {"v": v, "noise": noise}, convention, reduce, patch_size, (t, s))
     patch_size = int(patch_size) if reduce == "tokens" else patch_size  # a numpy integer works too
     asked = [n for n, u in {"x_t": x_t, "v": v, "noise": noise, "t": t, "s": s}.items() if _requires_grad(u)]
     if torch.is_grad_enabled() and asked:
@@ -277,7 +283,7 @@ def sde_logprob(
     sample is an error). An `ode` step has no log-probability: an error. `params` and `backend` as
     for `sde_step_with_logprob`.
     """
-    _check(kind, x_t, {"v": v, "sample": sample, "v_ref": v_ref}, convention, reduce, patch_size)
+    _check(kind, x_t, {"v": v, "sample": sample, "v_ref": v_ref}, convention, reduce, patch_size, (t, s))
     patch_size = int(patch_size) if reduce == "tokens" else patch_size  # a numpy integer works too
     if kind == "ode":
         raise ValueError("an 'ode' step is deterministic: it has no log-probability and no KL (see sde.degenerate_steps)")

@@ -428,6 +428,11 @@ def test_errors_name_the_problem(backend):
         sde_logprob("ddim", x.clone().requires_grad_(), v, 0.5, 0.4, smp, backend=backend)
     with pytest.raises(RuntimeError, match="no gradient"):
         sde_step_with_logprob("ddim", x, v.clone().requires_grad_(), 0.5, 0.4, inp["noise"], backend=backend)
+    # meta tensors hold no times to read and no std to check: named, not "Cannot copy out of meta tensor"
+    with pytest.raises(ValueError, match="^x_t, v, sample are on the meta device: the SDE ops read the times' values"):
+        sde_logprob("ddim", x.to("meta"), v.to("meta"), 0.5, 0.4, smp.to("meta"), backend=backend)
+    with pytest.raises(ValueError, match="^t is on the meta device"), torch.no_grad():
+        sde_step_with_logprob("ddim", x, v, torch.full((3,), 0.5, device="meta"), 0.4, inp["noise"], backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
