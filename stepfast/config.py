@@ -88,6 +88,9 @@ class CreditConfig:
     adv_clip: float = 5.0
     eps: float = 1e-4
     balance: bool = True  # turning_point: balance positive and negative turning points
+    # uniform | tempflow (TempFlow-GRPO's noise-aware weighting: each trained step's loss scaled by the
+    # step's std, normalised to mean 1 over the trained steps); any credit
+    step_weights: str = "uniform"
 
 
 @dataclass
@@ -535,6 +538,7 @@ def _expand_home(cfg: Config) -> None:
 SAMPLERS = ("ode", "flow_sde", "cps", "ddim")
 CREDIT_ESTIMATORS = ("flow_grpo", "stepwise", "stepwise_per_step", "turning_point")
 LOGPROB_CONVENTIONS = ("gaussian", "cps")
+STEP_WEIGHTS = ("uniform", "tempflow")
 
 
 # DeepSpeed settings that come from other keys (stepfast.engine.deepspeed_config fills them in)
@@ -577,6 +581,7 @@ def _check_choices(cfg: Config) -> None:
         "sampler": SAMPLERS,
         "credit": CREDIT_ESTIMATORS,
         "sde.logprob": LOGPROB_CONVENTIONS,
+        "credit_opts.step_weights": STEP_WEIGHTS,
         "model.dtype": ("fp32", "bf16", "fp16"),
         "optim.precision": ("fp32", "bf16", "fp16"),
         "model.attention": ("sdpa", "xformers"),

@@ -265,6 +265,7 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
     device = traj.states.device
     stats = UpdateStats()
     steps = traj.trained.nonzero().flatten().tolist()
+    step_weight = step_weights(cfg, traj.grid, steps)
     batches = micro_batches(b, cfg.rollout.micro_batch)
     for mb in batches:
         # every sample weighs alike: DeepSpeed averages the micro-steps, each loss a mean over its own
@@ -288,7 +289,8 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
             step = grpo_step_loss(out.log_prob, traj.log_probs[j, mb], adv[mb, j].to(device),
                                   clip_range=cfg.optim.clip_range, adv_clip=cfg.credit_opts.adv_clip,
                                   kl=out.kl, beta=cfg.optim.beta)  # fmt: skip
-            engine.backward(step.loss if weight == 1 else step.loss * weight)
+            w = weight * step_weight[j]
+            engine.backward(step.loss if w == 1 else step.loss * w)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:
@@ -297,8 +299,21 @@ def update(engine, cond: PromptEmbeddings, traj: Trajectory, adv: torch.Tensor, 
                     stats.grad_norms.append(float(norm))
                 if ema is not None:
                     ema.update(engine.module)
-            stats.add(step.stats(), weight)
+            stats.add(step.stats(), w)
     return stats
+
+
+def step_weights(cfg: Config, grid: torch.Tensor, steps: list[int]) -> dict[int, float]:
+    """Each trained step's weight in the update: 1 (`credit_opts.step_weights=uniform`), or with
+    `tempflow` TempFlow-GRPO's noise-aware weight, the step's std over the mean std of the trained
+    steps (mean 1). TempFlow-GRPO scales step k by sig_k sqrt(dt_k), which is flow_sde's step std;
+    for ddim and cps, whose std has no sqrt(dt) factor, it is their step's std alike: the noise the
+    step draws, which is what its log-probability can credit."""
+    if cfg.credit_opts.step_weights == "uniform" or not steps:
+        return {j: 1.0 for j in steps}
+    index = torch.tensor(steps)
+    std = sde.step_std(cfg.sampler, grid[index], grid[index + 1], **sde_params(cfg)).double()
+    return dict(zip(steps, (std / std.mean()).tolist()))
 
 
 def category_rewards(final: torch.Tensor, tags: list[str | None], group_size: int) -> dict[str, float]:

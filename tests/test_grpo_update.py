@@ -144,3 +144,50 @@ def test_update_reports_the_first_micro_step_on_policy_and_every_optimizer_step(
     assert summary["first_ratio_mean"] == summary["first_ratio_min"] == summary["first_ratio_max"] == 1.0
     assert (summary["ratio_min"], summary["ratio_max"]) != (1.0, 1.0)  # the later micro-steps moved off-policy
     assert summary["grad_norm"] == pytest.approx(sum(engine.norms) / calls)
+
+
+def test_tempflow_weights_each_steps_loss_by_its_std_over_the_mean(tmp_path):
+    """credit_opts.step_weights=tempflow: the update's gradient is that of sum_j w_j (-mean_i A_ij log p_ij)
+    with w_j the step's std over the trained steps' mean std (ddim: eta s sqrt(1 - t), in float64 here)."""
+    cfg, pipe, cond, traj = rollout(tmp_path, members=2, clip_range=0.2)
+    cfg.credit_opts.step_weights = "tempflow"
+    grid = traj.grid.double()
+    trained = traj.trained.nonzero().flatten().tolist()
+    std = {j: cfg.sde.eta * float(grid[j + 1]) * (1 - float(grid[j])) ** 0.5 for j in trained}
+    weight = {j: std[j] * len(trained) / sum(std.values()) for j in trained}
+    assert max(weight.values()) / min(weight.values()) > 1.5  # the weighting matters on this grid
+    assert grpo.step_weights(cfg, traj.grid, trained) == pytest.approx(weight, rel=1e-6)
+    adv = torch.randn(2, cfg.sde.steps, generator=torch.Generator().manual_seed(3))
+    grpo.update(Engine(pipe.transformer), cond, traj, adv, cfg)
+    got = [p.grad.clone() for p in pipe.transformer.parameters()]
+    pipe.transformer.zero_grad()
+    for j in trained:
+        t, s = traj.grid[j].expand(2), traj.grid[j + 1].expand(2)
+        v = velocity(pipe.transformer, traj.states[j], t, cond, cfg.rollout.cfg)
+        lp = sde_logprob(cfg.sampler, traj.states[j], v, t, s, traj.states[j + 1], eta=cfg.sde.eta).log_prob
+        (-weight[j] * (adv[:, j] * lp).mean()).backward()
+    want = [p.grad for p in pipe.transformer.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("sampler", ["flow_sde", "cps"])
+def test_tempflow_weights_of_the_other_samplers(sampler):
+    """flow_sde's weight is TempFlow-GRPO's sig_k sqrt(dt_k), sig = a sqrt(t / (1 - t)) (1 - s at t = 1);
+    cps's is its std, s sin(a pi / 2); uniform's is 1 at every step."""
+    import math
+
+    cfg = load_config("flow_grpo" if sampler == "flow_sde" else "default",
+                      [f"sampler={sampler}", "credit_opts.step_weights=tempflow", "sde.min_std=0.0001"])  # fmt: skip
+    grid = sd3_time_grid(cfg.sde.steps)
+    steps = grpo.trained_steps(cfg, grid)
+    a, g = cfg.sde.noise_level, grid.double().tolist()
+    if sampler == "flow_sde":
+        std = {j: a * math.sqrt(g[j] / (1 - (g[j + 1] if g[j] == 1 else g[j]))) * math.sqrt(g[j] - g[j + 1])
+               for j in steps}  # fmt: skip
+    else:
+        std = {j: g[j + 1] * math.sin(a * math.pi / 2) for j in steps}
+    want = {j: std[j] * len(steps) / sum(std.values()) for j in steps}
+    assert grpo.step_weights(cfg, grid, steps) == pytest.approx(want, rel=1e-6)
+    cfg.credit_opts.step_weights = "uniform"
+    assert grpo.step_weights(cfg, grid, steps) == {j: 1.0 for j in steps}
