@@ -118,7 +118,8 @@ def turning_point_rewards(rewards: torch.Tensor, balance: bool = True) -> torch.
     step needs only the last condition). There the reward is the return-to-go R_T - R_{k-1} instead of
     d_k. With `balance`, positive and negative turning points are balanced over the batch: only the
     B = min(#positive, #negative) of each with the largest |return-to-go| keep it; the others fall
-    back to d_k.
+    back to d_k. Ties (common with pass/fail rewards) go to the first in (group, member, step) order,
+    on every device: the sources do not say how to break them.
     """
     d = gains(rewards)
     final = rewards[..., -1:]
@@ -142,7 +143,7 @@ def _balance(turning: torch.Tensor, to_go: torch.Tensor) -> torch.Tensor:
         if b == 0:
             break
         scores = torch.where(mask, to_go.abs(), torch.full_like(to_go, -1.0)).flatten()
-        keep.view(-1)[scores.topk(b).indices] = True
+        keep.view(-1)[scores.sort(descending=True, stable=True).indices[:b]] = True  # topk breaks ties anyhow
     return keep
 
 

@@ -163,6 +163,14 @@ def test_turning_point_balance_keeps_the_largest_return_to_go_and_advantages_nor
     torch.testing.assert_close(adv, expected.float().clamp(-5, 5))
 
 
+def test_turning_point_balance_breaks_ties_by_position():
+    """Five identical members with a turning point of return-to-go +1 and two of -1 (pass/fail rewards
+    tie often): B = 2 of each keep it, and of the tied ones the first two members, on every device."""
+    rewards = torch.tensor([[[0.0, 0.5, 1.0]] * 5 + [[0.0, -0.5, -1.0]] * 2], dtype=torch.float64)
+    kept = turning_point_rewards(rewards, balance=True)[0, :, 0].tolist()
+    assert kept == [1.0, 1.0, 0.5, 0.5, 0.5, -1.0, -1.0]
+
+
 def test_turning_point_first_step_needs_only_the_last_condition():
     # R = [0, 1, 0.5, 2]: d_1 = 1 and R_T - R_1 = 1 > 0 -> the first step turns, to-go R_T - R_0 = 2
     rewards = torch.tensor([[[0.0, 1.0, 0.5, 2.0]]], dtype=torch.float64)
