@@ -347,6 +347,35 @@ def test_lora_changes_the_samples(tiny, tmp_path):
         load_lora(load_pipeline(path), tmp_path / "nowhere")
 
 
+def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tmp_path):
+    """diffusers drops the keys it cannot place with at most a notice: a LoRA in peft's own key format
+    (save_pretrained's base_model.model.*) would sample as the base model, and one with keys of modules
+    the model lacks with part of its adapter. Both are named."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny
+    pipe = load_pipeline(path)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"]))
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer),
+                                               transformer_lora_adapter_metadata=pipe.transformer.peft_config["default"].to_dict())  # fmt: skip
+    weights = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    load_lora(load_pipeline(path), tmp_path / "lora")  # as saved: every tensor placed
+    peft_keys = {k.replace("transformer.", "base_model.model.", 1): v for k, v in weights.items()}
+    save_file(peft_keys, tmp_path / "peft.safetensors")
+    with pytest.raises(ValueError, match=rf"{tmp_path}/peft.safetensors hold {len(weights)} LoRA tensors, but none of "
+                                         r"them reached a module of this StableDiffusion3Pipeline \(keys such as "
+                                         r"'base_model\.model\..*It would sample as the base model does"):  # fmt: skip
+        load_lora(load_pipeline(path), tmp_path / "peft.safetensors")
+    extra = {**weights, **{k.replace("transformer_blocks.0.", "nosuch.0.", 1): v.clone() for k, v in weights.items()
+                           if k.startswith("transformer.transformer_blocks.0.")}}  # fmt: skip
+    save_file(extra, tmp_path / "extra.safetensors")
+    with pytest.raises(ValueError, match=rf"hold {len(extra)} LoRA tensors, but only {len(weights)} of them reached.*"
+                                         "It would sample with part of the adapter"):  # fmt: skip
+        load_lora(load_pipeline(path), tmp_path / "extra.safetensors")
+
+
 def test_evaluation_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "eval"
     result = ev.main(

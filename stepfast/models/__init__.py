@@ -211,6 +211,7 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     # adapter (stepfast's) never does
     log, quiet = logging.getLogger("diffusers.loaders.lora_base"), _NoTextEncoderLora()
     log.addFilter(quiet)
+    attached = _lora_tensors(pipe)
     try:
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
@@ -224,7 +225,40 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     finally:
         log.removeFilter(quiet)
+    if file.suffix == ".safetensors":
+        _check_attached(file, _lora_tensors(pipe) - attached, type(pipe).__name__)
     return pipe
+
+
+_PIPELINE_MODULES = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _lora_tensors(pipe) -> int:
+    """How many LoRA tensors (lora_A/lora_B weights, biases, DoRA magnitudes) the pipeline's
+    transformer and text encoders hold."""
+    modules = (getattr(pipe, name, None) for name in _PIPELINE_MODULES)
+    return sum(sum(1 for name, _ in m.named_parameters() if "lora_" in name)
+               for m in modules if isinstance(m, torch.nn.Module))  # fmt: skip
+
+
+def _check_attached(file: Path, attached: int, pipeline: str) -> None:
+    """A ValueError when the LoRA tensors of `file` did not all reach a module: diffusers drops the
+    keys it cannot place (another format, another model's modules) with at most a notice, and the
+    pipeline would then sample as the base model does, or with part of the adapter."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        keys = [k for k in handle.keys() if "lora" in k and not k.endswith(".alpha")]  # kohya's alphas: scales
+    if attached >= len(keys):
+        return
+    what, then = ("none of them", "as the base model does") if attached == 0 else (
+        f"only {attached} of them", "with part of the adapter")
+    raise ValueError(
+        f"LoRA weights {file} hold {len(keys)} LoRA tensors, but {what} reached a module of this {pipeline} (keys "
+        f"such as {keys[0]!r}): keys in another format (diffusers' is 'transformer.<module>.lora_A.weight', as "
+        "StableDiffusion3Pipeline.save_lora_weights writes them), or for modules this model lacks (trained on "
+        f"another model?). It would sample {then}"
+    )
 
 
 class _NoTextEncoderLora(logging.Filter):
