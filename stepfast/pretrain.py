@@ -35,6 +35,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,10 +307,11 @@ def check_replaceable(path: Path, partial_ok: bool = False) -> None:
     )
 
 
-def check_out(out: Path, snapshots: bool, overwrite: bool = False) -> None:
+def check_out(out: Path, snapshots: Sequence[int] = (), overwrite: bool = False) -> None:
     """Before any training: a ValueError naming the path when the pipeline could not be written
-    to `out` (or its snapshots to OUT-snapshots/step-N) without deleting what is not a pipeline, or
-    when `out` holds a pipeline and `overwrite` was not given."""
+    to `out` (or its snapshots, the steps N of `snapshots`, to OUT-snapshots/step-N) without
+    deleting what is not a pipeline, or when one of them holds a pipeline and `overwrite` was not
+    given."""
     check_replaceable(out)
     if not overwrite and (out / "model_index.json").exists():
         raise ValueError(f"{out} holds a pipeline already; give --overwrite to replace it (the run writes it "
@@ -322,6 +324,14 @@ def check_out(out: Path, snapshots: bool, overwrite: bool = False) -> None:
         folder = out.with_name(out.name + "-snapshots")
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} (where --snapshot-every writes step-N pipelines) is a file, not a directory")
+        for step in snapshots:
+            path = folder / f"step-{step}"
+            check_replaceable(path)
+            if not overwrite and (path / "model_index.json").exists():
+                raise ValueError(f"{path} holds a snapshot already (an earlier run's); give --overwrite to replace "
+                                 "it, or another --out")  # fmt: skip
+            for suffix in (".tmp", ".old"):
+                check_replaceable(path.with_name(path.name + suffix), partial_ok=True)
 
 
 def write_pipeline(pipe, out: Path) -> None:
@@ -391,7 +401,8 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"--device: {exc}")
     out = Path(args.out).resolve()
     try:
-        check_out(out, snapshots=cfg.snapshot_every > 0, overwrite=args.overwrite)
+        every = cfg.snapshot_every
+        check_out(out, snapshots=range(every, cfg.steps, every) if every else (), overwrite=args.overwrite)
     except ValueError as exc:
         parser.error(f"--out: {exc}")
     if args.vae:  # checked before the minutes of setup, and never looked up on a hub

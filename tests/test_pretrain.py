@@ -147,6 +147,27 @@ def test_pretrain_names_an_out_path_it_cannot_write_before_any_work(tmp_path, ou
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "m-snapshots", "notes.tmp"]
 
 
+def test_pretrain_names_a_snapshot_it_would_replace_before_any_work(tmp_path):
+    """--snapshot-every writes OUT-snapshots/step-N: a folder there of something else is refused as
+    --out is, and an earlier run's snapshot is replaced only with --overwrite (steps 1 and 2 of 3)."""
+    notes = tmp_path / "m-snapshots" / "step-2"
+    notes.mkdir(parents=True)
+    (notes / "notes.txt").write_text("keep\n")
+    proc = run_pretrain("--out", str(tmp_path / "m"), "--snapshot-every", "1", "--overwrite")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--out: {notes} exists and is not a diffusers pipeline directory" in proc.stderr
+    assert (notes / "notes.txt").read_text() == "keep\n"
+    earlier = tmp_path / "p-snapshots" / "step-1"
+    earlier.mkdir(parents=True)
+    (earlier / "model_index.json").write_text("{}")
+    proc = run_pretrain("--out", str(tmp_path / "p"), "--snapshot-every", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--out: {earlier} holds a snapshot already (an earlier run's); give --overwrite" in proc.stderr
+    assert (earlier / "model_index.json").read_text() == "{}" and not (tmp_path / "p").exists()
+    pretrain.check_out(tmp_path / "p", snapshots=[1, 2], overwrite=True)  # asked for: no error
+    pretrain.check_out(tmp_path / "p", snapshots=[2])  # step-1 is not written (--snapshot-every 2)
+
+
 def test_pretrain_may_replace_an_empty_directory_a_pipeline_or_an_interrupted_write(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "pipe").mkdir()
@@ -154,12 +175,12 @@ def test_pretrain_may_replace_an_empty_directory_a_pipeline_or_an_interrupted_wr
     (tmp_path / "pipe.tmp" / "transformer").mkdir(parents=True)  # save_pretrained cut short
     (tmp_path / "pipe-snapshots" / "step-1").mkdir(parents=True)
     for name in ("empty", "pipe", "new"):
-        pretrain.check_out(tmp_path / name, snapshots=True, overwrite=True)  # no error
+        pretrain.check_out(tmp_path / name, snapshots=[1], overwrite=True)  # no error
     for name in ("empty", "new"):
-        pretrain.check_out(tmp_path / name, snapshots=True)  # nothing to overwrite
+        pretrain.check_out(tmp_path / name, snapshots=[1])  # nothing to overwrite
     (tmp_path / "pipe.tmp" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="pipe.tmp exists and is not a diffusers pipeline directory"):
-        pretrain.check_out(tmp_path / "pipe", snapshots=False, overwrite=True)
+        pretrain.check_out(tmp_path / "pipe", overwrite=True)
 
 
 def test_ctrl_c_in_pretrain_is_one_line(tmp_path, monkeypatch, capsys):
