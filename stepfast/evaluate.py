@@ -1,7 +1,7 @@
 """Evaluate a pipeline on ShapeEval prompts and print a GenEval-style table.
 
     python -m stepfast.evaluate --model DIR [--lora DIR | --transformer DIR] [--prompts test] [--seeds 4] [--min-images 32]
-                                [--steps 40] [--cfg 4.5] [--out DIR] [--overwrite] [--limit N] [--batch-size 32]
+                                [--steps 40] [--cfg 4.5] [--out DIR] [--overwrite] [--limit N] [--batch-size 64]
                                 [--size N] [--device cpu|cuda]
 
 Every prompt is sampled once per seed, and a category with fewer than --min-images images gets more
@@ -99,15 +99,25 @@ def write_results(result: dict, out: Path, columns: int) -> None:
         write_atomically(out / name, write)
 
 
+def _path(value: str) -> str:
+    """A path argument: an empty one (a shell variable unset in a script) would mean the current
+    directory, and write there."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict:
+    from stepfast.config import EvalConfig
+
     parser = argparse.ArgumentParser(prog="python -m stepfast.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=EMBEDDED_MODEL,
+    parser.add_argument("--model", default=EMBEDDED_MODEL, type=_path,
                         help="diffusers SD3 pipeline directory (default: the embedded model)")
     weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--lora", default=None, help="LoRA weights to load onto the transformer")
-    weights.add_argument("--transformer", default=None,
+    weights.add_argument("--lora", default=None, type=_path, help="LoRA weights to load onto the transformer")
+    weights.add_argument("--transformer", default=None, type=_path,
                          help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
-    parser.add_argument("--prompts", default="test",
+    parser.add_argument("--prompts", default="test", type=_path,
                         help="train | test | shapeeval:train | shapeeval:test | *_metadata.jsonl | prompts .txt "
                              "(default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=4,
@@ -119,12 +129,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="sampling steps (default: %(default)s)")
     parser.add_argument("--cfg", type=float, default=4.5,
                         help="classifier-free guidance scale (default: %(default)s)")
-    parser.add_argument("--out", default="outputs/evaluate",
+    parser.add_argument("--out", default="outputs/evaluate", type=_path,
                         help="directory for results.json/.md and samples.png (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an evaluation already in --out")
     parser.add_argument("--limit", type=int, default=None,
                         help="evaluate only N prompts, spread over categories (default: all)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per pipeline call (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=EvalConfig.batch_size,
+                        help="images per pipeline call, the trainer's eval.batch_size by default: the images "
+                             "depend on it by rounding (default: %(default)s)")  # fmt: skip
     parser.add_argument("--size", type=int, default=None, help="image side (default: the model's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to sample (default: %(default)s)")
@@ -188,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         size=args.size, keep_images=True, reward=reward,
     )
     result["settings"].update(model=str(args.model), lora=args.lora, transformer=args.transformer,
-                              prompt_source=args.prompts)  # fmt: skip
+                              prompt_source=args.prompts, device=str(device))  # fmt: skip
     print(heldout.markdown_table(result), end="")
     images = len(result["samples"])
     topped_up = images > len(metadata) * args.seeds  # --min-images added seeds somewhere

@@ -293,10 +293,12 @@ def summarise(plan: list[tuple[dict, int]], scored: dict, settings: dict, keep_i
     return result
 
 
-def settings(pipe, metadata: list[dict], seeds: int | list[int], steps: int, cfg: float, min_images: int = 0) -> dict:
-    """What `summarise` records of how the samples were drawn."""
+def settings(pipe, metadata: list[dict], seeds: int | list[int], steps: int, cfg: float, min_images: int = 0,
+             batch_size: int | None = None) -> dict:  # fmt: skip
+    """What `summarise` records of how the samples were drawn (the batch size too: the images depend
+    on it by rounding)."""
     return {"prompts": len(metadata), "seeds": seed_list(seeds), "min_images": min_images, "steps": steps,
-            "cfg": cfg, "text_length": text_length(pipe)}  # fmt: skip
+            "cfg": cfg, "text_length": text_length(pipe), "batch_size": batch_size}  # fmt: skip
 
 
 def evaluate(
@@ -323,7 +325,7 @@ def evaluate(
     plan = plan_samples(metadata, seeds, min_images)
     scored = draw_and_score(pipe, plan, steps, cfg, batch_size=batch_size, reward=reward, size=size,
                             progress=progress)  # fmt: skip
-    return summarise(plan, scored, settings(pipe, metadata, seeds, steps, cfg, min_images), keep_images)
+    return summarise(plan, scored, settings(pipe, metadata, seeds, steps, cfg, min_images, batch_size), keep_images)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -450,7 +450,8 @@ class Trainer:
                 torch.distributed.gather_object(pixels, held, dst=0)
                 pixels = heldout.interleave(held, self.world) if self.main else pixels
             scored["pixels"] = pixels  # on other ranks their own share: summarise reads only its size
-        settings = heldout.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images)
+        settings = heldout.settings(self.pipe, metas, cfg.eval.seeds, cfg.eval.steps, cfg.eval.cfg, cfg.eval.min_images,
+                                    cfg.eval.batch_size)  # fmt: skip
         result = heldout.summarise(plan, scored, settings, keep_images and self.main)
         self.evals[tag] = {"overall": result["overall"], "categories": result["categories"]}
         if tag in ("before", "after"):  # every image's result, for the gain's standard error (also after a resume)

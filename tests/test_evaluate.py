@@ -387,6 +387,10 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["categories"]) == set(CATEGORIES)
     assert saved["settings"]["steps"] == 6 and saved["settings"]["seeds"] == [0, 1]
+    # the trainer's batch size by default (the images depend on it by rounding), recorded with the device
+    from stepfast.config import EvalConfig
+
+    assert saved["settings"]["batch_size"] == EvalConfig().batch_size == 64 and saved["settings"]["device"] == "cpu"
     # 8 prompts: counting and colors get two, the other categories one, drawn with 4 seeds
     assert len(saved["samples"]) == 24 and all(row["n"] == 4 for row in saved["categories"].values())
     means = [saved["categories"][c]["strict"] for c in CATEGORIES]
@@ -413,6 +417,17 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
     ev.main(again + ["--overwrite"])
     assert len(json.loads((out / "results.json").read_text())["samples"]) == 1  # one prompt, one seed
     assert "1 prompt x 1 seed (1 image), 2 steps" in capsys.readouterr().out  # no top-up: no "+"
+
+
+@pytest.mark.parametrize("flag", ["--out", "--prompts", "--model", "--lora", "--transformer"])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(flag, capsys, tmp_path, monkeypatch):
+    """`--out "$OUT"` with OUT unset would write results.json into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        ev.main([flag, ""])
+    assert info.value.code == 2
+    assert f"argument {flag}: an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_in_the_evaluation_command_is_one_line(tmp_path, monkeypatch):
