@@ -24,6 +24,11 @@
 #      STEPFAST_BENCH_REPEATS, default 1 here, set its size).
 # Exit status: non-zero when a test fails.
 set -euo pipefail
+if (( $# )); then  # it runs every check, always: an argument (a -k filter, say) would be ignored
+  echo "gpu_check: takes no arguments (got: $*); it runs every CUDA check. For a subset, run pytest on" \
+       "tests/ or benchmarks/ yourself" >&2
+  exit 2
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU, else the first with torch
@@ -60,7 +65,7 @@ unset STEPFAST_KERNELS TRITON_INTERPRET
 
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
 
-exec "$PYTHON" - "$@" <<'PY'
+exec "$PYTHON" - <<'PY'
 import pathlib
 import sys
 import time

@@ -18,6 +18,24 @@ OMP_POLICY_IN_EFFECT = "torch" not in sys.modules or OMP_POLICY_FROM_CALLER
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def setting(name: str, default: int, minimum: int = 1) -> int:
+    """A whole-number size from the environment ($STEPFAST_BENCH_*), or `default`: the session stops
+    naming it when it is no whole number >= `minimum`, before any work (rather than a median of
+    nothing after minutes of runs)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        import pytest
+
+        pytest.exit(f"${name} must be a whole number >= {minimum}, got {raw!r}", returncode=4)
+    return value
+
+
 def run_environment() -> dict[str, str]:
     """The environment for a training run that a benchmark starts: the caller's, without the wait
     policy these benchmarks set for themselves, so that the run is timed as `make train` runs."""

@@ -16,12 +16,12 @@ import torch
 
 from stepfast.data.shapeeval import load_metadata
 from stepfast.models import EMBEDDED_MODEL, text_length
-from machine import cpu_name
+from machine import cpu_name, setting
 
 IMAGES = 16
 STEPS = 40
 GUIDANCE = 4.5
-REPEATS = int(os.environ.get("STEPFAST_BENCH_REPEATS", "3"))
+REPEATS = setting("STEPFAST_BENCH_REPEATS", 3)
 TARGET_SECONDS = 30.0
 
 

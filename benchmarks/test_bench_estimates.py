@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from machine import cpu_name
+from machine import cpu_name, setting
 from stepfast import grpo
 from stepfast.config import load_config
 from stepfast.data.prompts import load_prompts
@@ -29,7 +29,7 @@ from stepfast.sde import sd3_time_grid
 
 
 def test_distinct_states_vs_every_state(benchmark):
-    repeats = int(os.environ.get("STEPFAST_BENCH_REPEATS", 5))
+    repeats = setting("STEPFAST_BENCH_REPEATS", 5)
     torch.set_num_threads(1)
     cfg = load_config("default")
     groups, size = cfg.rollout.groups, cfg.rollout.group_size

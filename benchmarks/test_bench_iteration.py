@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from machine import run_environment
+from machine import run_environment, setting
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("rollout", "estimates", "rewards", "update")
@@ -56,8 +56,8 @@ def model_path() -> str:
 
 
 def test_iteration_time_stepwise_vs_flow_grpo(benchmark, tmp_path):
-    iterations = int(os.environ.get("STEPFAST_BENCH_ITERATIONS", 4))
-    repeats = int(os.environ.get("STEPFAST_BENCH_REPEATS", 2))
+    iterations = setting("STEPFAST_BENCH_ITERATIONS", 4, minimum=2)  # the first of each run is not timed
+    repeats = setting("STEPFAST_BENCH_REPEATS", 2)
     model = model_path()
     if not model:
         from stepfast.models.tiny import tiny_pipeline_dir

@@ -58,3 +58,12 @@ def test_the_gpu_check_names_an_interpreter_without_stepfast_before_it_starts(tm
     assert proc.returncode == 2, proc.stderr
     assert f"gpu_check: {python} cannot import stepfast.kernels (ModuleNotFoundError: " in proc.stderr
     assert "install stepfast into it first" in proc.stderr
+
+
+def test_the_gpu_check_refuses_arguments_it_would_ignore():
+    """It runs every CUDA check: `gpu_check.sh -k kernels` would have run them all, filter unread."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "-k", "kernels"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("gpu_check: takes no arguments (got: -k kernels); it runs every CUDA check")
