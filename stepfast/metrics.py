@@ -123,11 +123,13 @@ def wandb_run_id(output_dir, wandb_module, resuming: bool) -> str:
     return run_id
 
 
-def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:
+def read_logged(path, required: tuple[str, ...] = ("iteration",),
+                advice: str = "repair it, or move it away to start a new log") -> list[dict]:  # fmt: skip
     """The rows of a metrics.csv as the trainer logged them: numbers, "" where a column was not
     logged that iteration. A last line without its newline is a row whose write was cut short (a
     run killed while logging it) and is left out. A ValueError naming the file, and the line and
-    column at fault, when it cannot be read back (the file is left as it is)."""
+    column at fault, then `advice` (the trainer's), when it cannot be read back (the file is left
+    as it is)."""
     try:
         with open(path, newline="") as f:
             text = f.read()
@@ -151,7 +153,7 @@ def read_logged(path, required: tuple[str, ...] = ("iteration",)) -> list[dict]:
             rows.append(values)
     except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
         raise ValueError(
-            f"{path}: cannot read the metrics logged so far ({exc}); repair it, or move it away to start a new log"
+            f"{path}: cannot read the metrics logged so far ({exc}); {advice}"
         ) from None
     return rows
 

@@ -182,6 +182,10 @@ def gain_line(evals: dict) -> str | None:
             "seeds drawn)")
 
 
+#: The plots `write_report` draws when the run's files hold what they show (the sample grids aside).
+PLOTS = frozenset({"reward_curve.png", "gain_heatmap.png", "eval_curve.png"})
+
+
 def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, cfg,
                  trained: list[int] | None = None, run_dir: Path | None = None) -> Path:  # fmt: skip
     """report/ of a run, in `out`: curves, tables, the held-out gain, and the sample grids: the one
@@ -344,9 +348,13 @@ def read_metrics(path: Path) -> list[dict]:
     from stepfast.metrics import read_logged
 
     try:
-        return read_logged(path, required=("iteration", "reward"))
+        rows = read_logged(path, required=("iteration", "reward"), advice="repair it to rebuild the report")
     except ValueError as exc:
         raise RunFolderError(str(exc)) from exc
+    if not rows:
+        raise RunFolderError(f"{path} holds no iteration's metrics (the run stopped before it logged one): "
+                             "nothing to report")  # fmt: skip
+    return rows
 
 
 def _is_evaluation(result) -> bool:
@@ -438,8 +446,11 @@ def rebuild_report(run_dir) -> Path:
             summary = fresh / "summary.md"
             summary.write_text(summary.read_text() + "\n" + "\n".join(lines))
         report.mkdir(exist_ok=True)
+        written = {path.name for path in fresh.iterdir()}
         for path in fresh.iterdir():
             os.replace(path, report / path.name)
+        for name in PLOTS - written:  # a plot of what the run's files no longer hold (eval_after.json moved away)
+            (report / name).unlink(missing_ok=True)
     except OSError as exc:
         raise RunFolderError(f"cannot write {report}: {exc}") from exc
     finally:

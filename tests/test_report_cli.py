@@ -123,8 +123,13 @@ def append(path, text: str) -> None:
      ["eval_after.json", "categories"]),
     (lambda run: (run / "config.yaml").unlink(), ["config.yaml", "missing"]),
     (lambda run: (run / "config.yaml").write_text("credit: nosuch\n"), ["config.yaml", "credit"]),
-    (lambda run: append(run / "metrics.csv", "7,abc,,,,,\n"), ["metrics.csv", "line 8", "'abc'"]),
-], ids=["bad eval json", "eval without categories", "eval categories a list", "no config", "bad config", "bad metric"])
+    (lambda run: append(run / "metrics.csv", "7,abc,,,,,\n"), ["metrics.csv", "line 8", "'abc'",
+                                                             "repair it to rebuild the report"]),
+    (lambda run: (run / "metrics.csv").write_text("iteration,reward\n"), ["metrics.csv holds no iteration's metrics",
+                                                                          "nothing to report"]),
+    (lambda run: (run / "metrics.csv").write_text(""), ["metrics.csv holds no iteration's metrics"]),
+], ids=["bad eval json", "eval without categories", "eval categories a list", "no config", "bad config", "bad metric",
+        "header only", "empty metrics"])  # fmt: skip
 def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, fragments):
     run, _, _ = run
     breakage(run)
@@ -132,6 +137,19 @@ def test_a_bad_run_file_is_an_error_and_the_old_report_stays(run, breakage, frag
     assert_cli_error(run_cli(str(run)), *fragments)
     assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == before
     assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
+
+
+def test_a_rebuild_removes_a_plot_of_what_the_run_no_longer_holds(run):
+    """The evaluations moved away (as a resume sets a finished run's aside): the eval curve drawn from
+    them goes with them, where it stayed beside a summary that no longer showed it."""
+    run, _, _ = run
+    assert run_cli(str(run)).returncode == 0 and (run / "report" / "eval_curve.png").is_file()
+    for path in run.glob("eval_*.json"):
+        path.rename(path.with_name(path.stem + "-before-7.json"))
+    assert run_cli(str(run)).returncode == 0
+    assert not (run / "report" / "eval_curve.png").exists()
+    assert sorted(p.name for p in (run / "report").iterdir()) == ["gain_heatmap.png", "reward_curve.png",
+                                                                   "samples_before.png", "summary.md"]  # fmt: skip
 
 
 def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_samples(run):
