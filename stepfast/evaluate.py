@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -187,7 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warning: {warning}", file=sys.stderr)
     quiet_truncation_notices(pipe)
     if args.lora:
-        load_lora(pipe, args.lora)
+        with warnings.catch_warnings(record=True) as caught:  # a line each, not Python's warning format
+            warnings.simplefilter("always")
+            load_lora(pipe, args.lora)
+        for warning in caught:
+            print(f"warning: {warning.message}", file=sys.stderr)
     if args.transformer:
         load_transformer(pipe, args.transformer)
     if args.size is not None:

@@ -347,7 +347,7 @@ def test_lora_changes_the_samples(tiny, tmp_path):
         load_lora(load_pipeline(path), tmp_path / "nowhere")
 
 
-def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tmp_path):
+def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tmp_path, caplog):
     """diffusers drops the keys it cannot place with at most a notice: a LoRA in peft's own key format
     (save_pretrained's base_model.model.*) would sample as the base model, and one with keys of modules
     the model lacks with part of its adapter. Both are named."""
@@ -368,12 +368,33 @@ def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tm
                                          r"them reached a module of this StableDiffusion3Pipeline \(keys such as "
                                          r"'base_model\.model\..*It would sample as the base model does"):  # fmt: skip
         load_lora(load_pipeline(path), tmp_path / "peft.safetensors")
+    # diffusers' notice, which calls it "safe to ignore", is dropped: the error says what it means
+    assert not [r for r in caplog.records if "No LoRA keys" in r.getMessage()]
     extra = {**weights, **{k.replace("transformer_blocks.0.", "nosuch.0.", 1): v.clone() for k, v in weights.items()
                            if k.startswith("transformer.transformer_blocks.0.")}}  # fmt: skip
     save_file(extra, tmp_path / "extra.safetensors")
     with pytest.raises(ValueError, match=rf"hold {len(extra)} LoRA tensors, but only {len(weights)} of them reached.*"
                                          "It would sample with part of the adapter"):  # fmt: skip
         load_lora(load_pipeline(path), tmp_path / "extra.safetensors")
+
+
+def test_the_command_says_a_lora_lacks_its_adapter_config_in_one_line(tiny, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    path, _ = tiny
+    pipe = load_pipeline(path)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"]))
+    StableDiffusion3Pipeline.save_lora_weights(tmp_path / "lora", get_peft_model_state_dict(pipe.transformer))
+    proc = run_evaluate("--model", path, "--lora", tmp_path / "lora", "--limit", "1", "--seeds", "1", "--min-images",
+                        "0", "--steps", "1", "--out", tmp_path / "out")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "adapter config" in line]
+    assert lines == [f"warning: {tmp_path}/lora/pytorch_lora_weights.safetensors holds no adapter config (lora_alpha, "
+                     "in its metadata): diffusers loads it with lora_alpha = its rank, which is not the trained scale "
+                     "when alpha was another (stepfast's checkpoints before it saved the config: alpha = 2 x rank, "
+                     "loaded at half the scale)"], proc.stderr[-2000:]  # fmt: skip
+    assert "UserWarning" not in proc.stderr and "No LoRA keys" not in proc.stderr
 
 
 def test_evaluation_command_end_to_end(tmp_path, capsys):
@@ -538,6 +559,10 @@ def not_lora(kind, tmp_path, model):
     elif kind == "empty directory":
         path = tmp_path / "lora"
         path.mkdir()
+    elif kind == "checkpoint directory":  # its LoRA is in lora/ (here a stand-in file: the hint reads names only)
+        path = tmp_path / "checkpoint-000040"
+        (path / "lora").mkdir(parents=True)
+        (path / "lora" / "pytorch_lora_weights.safetensors").write_text("stand-in")
     else:  # a model's weights: a directory holding one .safetensors file, of no LoRA
         path = model / "transformer"
     return path
@@ -547,7 +572,9 @@ def not_lora(kind, tmp_path, model):
     ("text file", "LoRA weights {path} are not a .safetensors (or .bin) file: expected a directory holding "
                   "pytorch_lora_weights.safetensors, or that .safetensors file"),
     ("text file named .safetensors", "LoRA weights {path} are not a readable .safetensors file"),
-    ("empty directory", "LoRA directory {path} holds no .safetensors files"),
+    ("empty directory", "LoRA directory {path} holds no .safetensors files: expected"),
+    ("checkpoint directory", "LoRA directory {path} holds no .safetensors files (a checkpoint? its LoRA is "
+                             "{path}/lora): expected"),
     ("transformer weights", "{path}/diffusion_pytorch_model.safetensors holds no LoRA weights"),
 ])  # fmt: skip
 def test_load_lora_names_what_is_not_lora_weights(tiny, tmp_path, kind, message):

@@ -173,7 +173,9 @@ def lora_weights_file(path: str | Path) -> Path:
         elif len(files) == 1:
             file = path / files[0]
         else:
-            raise ValueError(f"LoRA directory {path} holds {files or 'no .safetensors files'}: {expected}")
+            inside = [sub for sub in ("lora_ema", "lora") if (path / sub / "pytorch_lora_weights.safetensors").is_file()]
+            hint = f" (a checkpoint? its LoRA is {path / inside[-1]})" if inside and not files else ""
+            raise ValueError(f"LoRA directory {path} holds {files or 'no .safetensors files'}{hint}: {expected}")
     elif path.suffix == ".bin" and path.is_file():  # a pickled state dict: diffusers reads it
         return path
     elif path.suffix != ".safetensors":
@@ -207,10 +209,12 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
             "its rank, which is not the trained scale when alpha was another (stepfast's checkpoints before it "
             "saved the config: alpha = 2 x rank, loaded at half the scale)", stacklevel=2,
         )  # fmt: skip
-    # diffusers says, for each text encoder, that the file holds no LoRA of it: a transformer's
-    # adapter (stepfast's) never does
-    log, quiet = logging.getLogger("diffusers.loaders.lora_base"), _NoTextEncoderLora()
-    log.addFilter(quiet)
+    # diffusers says, for each text encoder and the transformer, that the file holds no LoRA of it: a
+    # transformer's adapter (stepfast's) never holds one of the text encoders, and a file whose
+    # tensors reach no module is named below (_check_attached), the notice aside
+    logs, quiet = [logging.getLogger(f"diffusers.loaders.{name}") for name in ("lora_base", "peft")], _NoLoraKeys()
+    for log in logs:
+        log.addFilter(quiet)
     attached = _lora_tensors(pipe)
     try:
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter_name)
@@ -224,7 +228,8 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
             ) from exc
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     finally:
-        log.removeFilter(quiet)
+        for log in logs:
+            log.removeFilter(quiet)
     if file.suffix == ".safetensors":
         _check_attached(file, _lora_tensors(pipe) - attached, type(pipe).__name__)
     return pipe
@@ -261,12 +266,11 @@ def _check_attached(file: Path, attached: int, pipeline: str) -> None:
     )
 
 
-class _NoTextEncoderLora(logging.Filter):
-    """Drops diffusers' notice that a LoRA file holds nothing for a text encoder."""
+class _NoLoraKeys(logging.Filter):
+    """Drops diffusers' notice that a LoRA file holds nothing for one of the pipeline's modules."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("No LoRA keys associated to") and "TextModel" in message)
+        return not record.getMessage().startswith("No LoRA keys associated to")
 
 
 def holds_adapter_config(file: Path) -> bool:
