@@ -572,6 +572,8 @@ def main(argv: list[str] | None = None) -> None:
                 getattr(exc, "errno", None) == errno.EADDRINUSE) else ""  # fmt: skip
             fail(f"cannot listen on {args.host}:{args.port} (--host/--port): "
                  f"{getattr(exc, 'strerror', None) or exc}{hint}")  # fmt: skip
+        # a model reward can take minutes to load, and clients are refused until it has: say so
+        print(f"stepfast reward server: loading {', '.join(names)} ...", flush=True)
         try:
             rewards.update(load_rewards(names, options))
         except ValueError as exc:

@@ -505,6 +505,8 @@ def test_command_line_server(tmp_path, local, scenes):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
+        loading = proc.stdout.readline()  # before the rewards load (minutes for a model), clients refused meanwhile
+        assert loading == "stepfast reward server: loading jpeg_compressibility, shapes ...\n", loading
         line = proc.stdout.readline()  # printed once the server listens
         assert "on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         url = line.split(" on ")[1].split()[0]
