@@ -42,13 +42,13 @@ from stepfast.policy import check_resolution, quiet_truncation_notices
 from stepfast.startup import cut_prompt_warning, tag_problem
 
 
-def read_prompts(source: str) -> list[dict]:
+def read_prompts(source: str, lines: list[int] | None = None) -> list[dict]:
     """Metadata records for "train", "test" (or "shapeeval:train", "shapeeval:test"), a GenEval
     `*.jsonl` metadata file, or a `.txt` file of ShapeEval prompts (one per line, blank lines
     skipped, parsed into metadata). Files are read by `stepfast.data.prompts`, as the trainer reads
     them: a missing file, a directory, a line that is not UTF-8 or not JSON raises an error naming
     the file (and the line, `path:line`), as do a GenEval `tag` that is not text and a `.txt` prompt
-    ShapeEval cannot parse."""
+    ShapeEval cannot parse. `lines`, when given, is filled with each record's line in the file."""
     path = resolve_prompt_file(f"shapeeval:{source}" if source in ("train", "test") else source)
     if path.suffix not in (".txt", ".jsonl") and not path.exists():
         raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "
@@ -57,6 +57,8 @@ def read_prompts(source: str) -> list[dict]:
     records = load_prompts(path)
     if problem := tag_problem(records, path):  # the table groups by tag
         raise ValueError(problem)
+    if lines is not None:
+        lines[:] = [record.line for record in records]
     if path.suffix == ".jsonl":
         return [record.metadata for record in records]  # as shapeeval.load_metadata reads them
     parsed = []
@@ -163,17 +165,23 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(f"--out: {exc}")
 
+    lines: list[int] = []
     try:  # a missing or unreadable prompt file, named with its bad line
-        metadata = heldout.spread_over_categories(read_prompts(args.prompts), args.limit)
+        records = read_prompts(args.prompts, lines)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(f"--prompts: {exc}")
-    from stepfast.rewards import load
+    picked = heldout.spread_indices(records, args.limit)
+    metadata = [records[i] for i in picked]
+    from stepfast.rewards import PromptError, load
 
     reward = load("shapes")
-    try:  # a record ShapeEval cannot score (GenEval's "dog"), named before anything is drawn
+    try:  # a record ShapeEval cannot score (GenEval's "dog"), named by its line before anything is drawn
         reward.check([m.get("prompt") for m in metadata], metadata)
+    except PromptError as exc:
+        source = resolve_prompt_file(f"shapeeval:{args.prompts}" if args.prompts in ("train", "test") else args.prompts)
+        parser.error(f"--prompts: {source}:{lines[picked[exc.index]]}: {exc.by()}{exc.reason}")
     except ValueError as exc:
-        raise ValueError(f"--prompts {args.prompts}: {exc}") from None
+        parser.error(f"--prompts {args.prompts}: {exc}")
     for flag, check in (("--lora", lora_weights_file), ("--transformer", check_transformer_dir),
                         ("--model", check_pipeline_dir)):  # fmt: skip
         value = getattr(args, flag[2:])

@@ -504,10 +504,11 @@ def test_evaluation_command_refuses_records_shapeeval_cannot_draw_before_the_mod
     """A GenEval metadata file ("dog") would score 0 everywhere after minutes of sampling."""
     prompts = tmp_path / "geneval_metadata.jsonl"
     prompts.write_text('{"tag": "single_object", "include": [{"class": "circle", "count": 1}], '
-                       '"prompt": "a photo of a circle"}\n'
+                       '"prompt": "a photo of a circle"}\n\n'
                        '{"tag": "single_object", "include": [{"class": "dog", "count": 1}], '
                        '"prompt": "a photo of a dog"}\n')  # fmt: skip
-    message = f"--prompts {prompts}: prompt 2: the record of prompt 'a photo of a dog': include[0] asks for class 'dog'"
+    # named by its file and line, as the trainer names it (the second record, after a blank line)
+    message = f"--prompts: {prompts}:3: the record of prompt 'a photo of a dog': include[0] asks for class 'dog'"
     assert_refused_before_the_model_loads("--prompts", prompts, message, tmp_path)
 
 
