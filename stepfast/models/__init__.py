@@ -173,8 +173,8 @@ def lora_weights_file(path: str | Path) -> Path:
         elif len(files) == 1:
             file = path / files[0]
         else:
-            inside = [sub for sub in ("lora_ema", "lora") if (path / sub / "pytorch_lora_weights.safetensors").is_file()]
-            hint = f" (a checkpoint? its LoRA is {path / inside[-1]})" if inside and not files else ""
+            inside = (path / "lora" / "pytorch_lora_weights.safetensors").is_file() and not files
+            hint = f" (a checkpoint? its LoRA is {path / 'lora'})" if inside else ""
             raise ValueError(f"LoRA directory {path} holds {files or 'no .safetensors files'}{hint}: {expected}")
     elif path.suffix == ".bin" and path.is_file():  # a pickled state dict: diffusers reads it
         return path

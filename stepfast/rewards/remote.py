@@ -12,9 +12,9 @@ bundle has no top-level "strict", so the held-out table's strict columns read na
 Images travel as PNG (lossless: the server scores the same uint8 pixels `to_uint8` gives here),
 at most `batch_size` per request, and no more per request than the server's advertised limits
 (`max_request_bytes`, `max_request_pixels` of its /health answer, read once) let in: a batch is
-split to fit them rather than refused with a 413 after a rollout. Failures are retried with exponential backoff (see
-`stepfast.rewards.transport`); after the last retry `RewardServerError` names the server and the
-last failure, so a trainer can stop cleanly and keep its last checkpoint.
+split to fit them rather than refused with a 413 after a rollout. Failures are retried with
+exponential backoff (see `stepfast.rewards.transport`); after the last retry `RewardServerError`
+names the server and the last failure, so a trainer can stop cleanly and keep its last checkpoint.
 """
 
 from __future__ import annotations
@@ -158,7 +158,6 @@ class RemoteReward:
             return tensors[self.names[0]]
         return weighted_sum(tensors, self.weights)
 
-
     def _requests(self, encoded: list[str], pixels: np.ndarray, prompts: list, metadata) -> list[tuple[int, int]]:
         """The batch cut into requests [start, stop): each of at most `batch_size` images, and within
         the server's limits. A ValueError naming the image and the limit when one image alone is over
@@ -194,6 +193,7 @@ class RemoteReward:
 
 def _limits_of(health) -> tuple[int | None, int | None]:
     """(max_request_bytes, max_request_pixels) of a /health answer; None for one it lacks or garbles."""
+
     def positive(key):
         value = health.get(key) if isinstance(health, dict) else None
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
