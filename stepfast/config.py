@@ -470,10 +470,14 @@ def _set_in(mapping: dict, keys: list[str], value: Any, where: str) -> dict:
 
 
 def preset_path(name: str) -> Path:
+    """The YAML file `--config NAME` names: a file, else a shipped preset by its name, or by
+    `configs/NAME.yaml` (as the presets are laid out in the package: `stepfast/configs/NAME.yaml`)."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") or "/" in name:
         if path.is_file():
             return path
+        if path.parent == Path("configs") and (CONFIG_DIR / path.name).is_file():
+            return CONFIG_DIR / path.name
         if not (CONFIG_DIR / f"{name}.yaml").exists():
             what = "is a directory" if path.is_dir() else "does not exist"
             if (CONFIG_DIR / path.name).is_file():

@@ -287,6 +287,10 @@ def test_bad_preset_and_yaml(tmp_path):
         load_config("flow_grpo.yaml")
     with pytest.raises(ConfigError, match="config file '.*' is a directory"):
         load_config(str(tmp_path))
+    # configs/NAME.yaml, as the presets lie in the package (stepfast/configs/), names the preset
+    assert load_config("configs/flow_grpo.yaml") == load_config("flow_grpo")
+    with pytest.raises(ConfigError, match="config file 'configs/nosuch.yaml' does not exist$"):
+        load_config("configs/nosuch.yaml")
     latin = tmp_path / "latin.yaml"
     latin.write_bytes(b"seed: 1 # caf\xe9\n")
     with pytest.raises(ConfigError, match="not UTF-8 text"):
