@@ -1,8 +1,8 @@
-"""Score one batch while the next rollout runs.
+"""Score a batch of images in the background while the caller goes on computing.
 
     scorer = AsyncScorer(reward)
     pending = scorer.submit(images, prompts, metadata)   # returns at once
-    ...                                                   # sample the next batch
+    ...                                                   # the trainer: the clean-image estimates
     scores = pending.result()                             # the reward's dict; its error, if it raised
 
 One worker thread scores submitted batches in order, so a reward model is only ever used by one
