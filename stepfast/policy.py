@@ -139,21 +139,23 @@ def quiet_truncation_notices(pipe) -> None:
 
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], cfg_scale: float, device) -> PromptEmbeddings:
-    """The embeddings of each of `prompts` (and of the empty prompt with guidance), one row each. A
-    prompt repeated (a group's members share theirs) is encoded once and its row repeated: the
-    SD3.5 presets' 24 members a prompt spent 24 T5 passes on each."""
+    """The embeddings of each of `prompts` (and of the empty prompt with guidance), one row each.
+
+    Each distinct text is encoded once, on its own, and its row repeated: a group's members share
+    their prompt (the SD3.5 presets' 24 members a prompt took 24 T5 passes each), and a text's row is
+    then the same bits however the groups are shared out over ranks (a batch's shape changes its
+    rounding, as the VAE's does: `decode`)."""
     distinct = list(dict.fromkeys(prompts))
-    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-        prompt=distinct, prompt_2=None, prompt_3=None, device=device,
-        do_classifier_free_guidance=cfg_scale > 1, negative_prompt=[""] * len(distinct),
-        max_sequence_length=text_length(pipe),
-    )  # fmt: skip
-    if len(distinct) < len(prompts):
-        row = {text: i for i, text in enumerate(distinct)}
-        index = torch.tensor([row[text] for text in prompts], device=embeds.device)
-        embeds, pooled = embeds.index_select(0, index), pooled.index_select(0, index)
-        if cfg_scale > 1:
-            neg, neg_pooled = neg.index_select(0, index), neg_pooled.index_select(0, index)
+    rows = [pipe.encode_prompt(prompt=[text], prompt_2=None, prompt_3=None, device=device,
+                               do_classifier_free_guidance=cfg_scale > 1, negative_prompt=[""],
+                               max_sequence_length=text_length(pipe))
+            for text in distinct]  # fmt: skip
+    row = {text: i for i, text in enumerate(distinct)}
+    index = torch.tensor([row[text] for text in prompts])
+    embeds, neg, pooled, neg_pooled = (
+        None if parts[0] is None else torch.cat(parts).index_select(0, index.to(parts[0].device))
+        for parts in zip(*rows)
+    )
     if cfg_scale > 1:
         return PromptEmbeddings(embeds, pooled, neg, neg_pooled)
     return PromptEmbeddings(embeds, pooled)
