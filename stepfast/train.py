@@ -26,8 +26,8 @@ if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): 
 import torch
 from tqdm import tqdm
 
-from stepfast import checkpoint, grpo, heldout
-from stepfast.config import ConfigError, changed_settings, config_warnings, load_config, to_dict, to_yaml
+from stepfast import checkpoint, grpo, heldout, runfolder
+from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
 from stepfast.data.prompts import PromptRecord, resolve_prompt_file
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
@@ -41,7 +41,7 @@ from stepfast.policy import (
     check_resolution, decode, encode_prompts, grid_shift, latent_shape, load_policy_pipeline, quiet_loading_bars,
     quiet_truncation_notices, save_lora, save_transformer,
 )
-from stepfast.report import eval_iteration, eval_tag
+from stepfast.report import eval_tag
 from stepfast.rewards.async_scoring import AsyncScorer, InlineScorer
 from stepfast.rewards.combine import has_a_mean
 from stepfast.rewards.transport import RewardServerError
@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem, settings_file, trained_steps_of,
+    check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of,
 )
 
 
@@ -104,9 +104,9 @@ class Trainer:
         if cfg.log.wandb:
             import_wandb()
         logged = read_logged(self.out / "metrics.csv") if (self.out / "metrics.csv").exists() else None
-        self.resume_from = self._resume_path()
+        self.resume_from = runfolder.resume_path(cfg, self.out)
         if self.resume_from is not None:
-            self._check_resumable()
+            runfolder.check_resumable(cfg, self.resume_from, self.out, world)
         self.prompts = prompts.train
         self.sampler = KRepeatSampler(len(self.prompts), cfg.rollout.groups, cfg.rollout.group_size,
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
@@ -153,23 +153,13 @@ class Trainer:
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
                                     logged=logged)  # fmt: skip
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
-            self._keep_changed_settings()
-            self._keep_other_config(to_yaml(cfg))
+            if self.resume_from is not None:
+                runfolder.keep_changed_settings(cfg, self.out, self.resume_from, self.start - 1)
+            else:
+                runfolder.keep_other_config(self.out, to_yaml(cfg))
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
 
     # ---------------------------------------------------------------------------------------------
-    def _check_resumable(self) -> None:
-        """A ConfigError when the checkpoint resumed cannot continue this run: written by another
-        number of ranks, older than output_dir's newest, or past `iterations`."""
-        checkpoint.check_world(self.resume_from, self.world)
-        self._check_no_later_checkpoints()
-        done = checkpoint.iteration_of(self.resume_from)
-        if done is not None and done > self.cfg.iterations:  # (equal: the evaluation and report are left to do)
-            raise ConfigError(
-                f"iterations={self.cfg.iterations}, but {self.resume_from} is at iteration {done}: a run "
-                f"cannot go back; give iterations >= {done}, or another output_dir"
-            )
-
     def _backward_calls(self, steps: list[int]) -> int:
         """Backward passes per iteration and rank (trained steps x micro-batches); a ConfigError when
         no step is trained or optim.updates_per_iteration does not divide them (found at start from
@@ -204,66 +194,6 @@ class Trainer:
                 )
         return [record.metadata["tag"] for record in self.prompts]
 
-    def _keep_changed_settings(self) -> None:
-        """A run resumed with other settings than those the checkpoint's iterations ran with (its run's
-        config.yaml, or the config-until-<iteration>.yaml an earlier resume kept) says which; in this
-        output_dir the old settings are kept, as config-until-<iteration>.yaml, before the new
-        config.yaml replaces them. A warning only: nothing here stops the run."""
-        if self.resume_from is None:
-            return
-        saved = settings_file(self.resume_from, self.start - 1)
-        if saved is None:  # a checkpoint moved out of its run: no settings to compare
-            return
-        run = saved.parent
-        until = run / f"config-until-{self.start - 1:06d}.yaml"
-        try:
-            changed = changed_settings(load_config(str(saved)), self.cfg)
-        except Exception as exc:  # noqa: BLE001 (an unreadable file is reported, not fatal)
-            changed = [f"(which this version cannot read: {exc})"]
-        if not changed:
-            return
-        kept = ""
-        if run == self.out.resolve():  # this run's own settings: kept before config.yaml is replaced
-            if saved != until:
-                write_atomically(until, lambda tmp: tmp.write_bytes(saved.read_bytes()))
-            kept = f"; the settings before are kept in {until}"
-        print(f"stepfast: warning: resumed from {self.resume_from} with other settings than those of {saved}: "
-              f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)
-
-    def _keep_other_config(self, text: str) -> None:
-        """A new run's config.yaml replaces a file of that name already in output_dir (a hand-written
-        config given with --config, say, or an attempt's that stopped before a checkpoint with other
-        settings): one that says otherwise is kept first, as config-before-<n>.yaml, and said."""
-        path = self.out / "config.yaml"
-        if self.resume_from is not None or not path.is_file() or path.read_text(errors="replace") == text:
-            return
-        n = 1
-        while (kept := self.out / f"config-before-{n}.yaml").exists():
-            n += 1
-        write_atomically(kept, lambda tmp: tmp.write_bytes(path.read_bytes()))
-        print(f"stepfast: {path} is replaced by this run's settings; the file there before is kept as {kept}",
-              file=sys.stderr)
-
-    def _resume_path(self) -> Path | None:
-        """The checkpoint this run continues from: none, the newest complete one, or the one named."""
-        if self.cfg.resume == "none":
-            return None
-        return checkpoint.latest(self.out) if self.cfg.resume == "auto" else Path(self.cfg.resume)
-
-    def _check_no_later_checkpoints(self) -> None:
-        """A ConfigError when output_dir holds checkpoints newer than the one resumed: the two runs'
-        checkpoints would mix (resume=auto picking the abandoned run's newest after a crash), and
-        metrics.csv would lose the rows after the resumed iteration."""
-        resumed, newest = checkpoint.iteration_of(self.resume_from), checkpoint.latest(self.out)
-        later = checkpoint.iteration_of(newest) if newest is not None else None
-        if resumed is not None and later is not None and later > resumed:
-            raise ConfigError(
-                f"resume={self.resume_from} continues from iteration {resumed}, but output_dir {self.out} "
-                f"holds a later checkpoint, {newest}: continuing here would mix the two runs' checkpoints "
-                f"and drop metrics.csv's rows after iteration {resumed}. Give another output_dir, or move "
-                "the later checkpoints and metrics.csv away"
-            )
-
     def resume(self) -> None:
         if self.cfg.resume == "none":
             return
@@ -288,24 +218,7 @@ class Trainer:
                   "evaluation and report")  # fmt: skip
         elif self.main:
             print(f"stepfast: resumed from {path} at iteration {self.start}")
-            self._set_aside_later_evaluations()
-
-    def _set_aside_later_evaluations(self) -> None:
-        """A run resumed to train on: the evaluations a previous attempt wrote of later weights (the
-        one after training of a run that ended at the resumed checkpoint, and its sample grid; those
-        between iterations past it) would stand in this run's report until replaced, and past a crash
-        they would not be. Each is kept as <name>-before-<start>, which the report does not read."""
-        start = self.start
-        later = [self.out / "eval_after.json", self.out / "report" / "samples_after.png"]
-        later += [p for p in self.out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
-        moved = []
-        for path in sorted(p for p in later if p.is_file()):
-            kept = path.with_name(f"{path.stem}-before-{start}{path.suffix}")
-            os.replace(path, kept)
-            moved.append(kept.relative_to(self.out))
-        if moved:
-            print(f"stepfast: the evaluations of weights past iteration {start - 1} that {self.out} held are "
-                  f"kept as {', '.join(map(str, moved))}: this run draws its own")
+            runfolder.set_aside_later_evaluations(self.out, self.start)
 
     def save(self, iteration: int) -> Path:
         # collective under ZeRO (every rank takes part in assembling each weight); rank 0 keeps them

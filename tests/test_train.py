@@ -1043,18 +1043,16 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
 
 
 def test_changed_settings_are_compared_with_those_the_checkpoints_iterations_ran_with(tmp_path, capsys):
-    """Trainer._keep_changed_settings in-process: a second resume from the same checkpoint compares
+    """runfolder.keep_changed_settings in-process: a second resume from the same checkpoint compares
     with (and keeps) the settings iterations 1-4 ran with, not those of the attempt between; a
     checkpoint of another output_dir is compared, nothing kept here; one moved out of its run's
     checkpoints folder has no settings to compare; an unreadable file is a warning, not an error."""
-    from types import SimpleNamespace
-
     from stepfast.config import to_yaml
-    from stepfast.train import Trainer
+    from stepfast.runfolder import keep_changed_settings
 
     def resume(out: Path, checkpoint: Path, *overrides: str) -> str:
         cfg = load_config("default", [f"output_dir={out}", *overrides])
-        Trainer._keep_changed_settings(SimpleNamespace(resume_from=checkpoint, out=out, start=5, cfg=cfg))
+        keep_changed_settings(cfg, out, checkpoint, 4)
         (out / "config.yaml").write_text(to_yaml(cfg))  # as the trainer then writes it
         return capsys.readouterr().err
 

@@ -1,0 +1,109 @@
+"""A run's output_dir across its attempts: the checkpoint a run continues from, and what a run keeps
+of the attempts before it (their settings, their evaluations of later weights), so that a resume
+neither mixes two runs nor loses a file. The trainer calls these; each names what it refuses or
+keeps."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from stepfast import checkpoint
+from stepfast.config import ConfigError, changed_settings, load_config
+from stepfast.files import write_atomically
+from stepfast.report import eval_iteration
+from stepfast.startup import settings_file
+
+
+def resume_path(cfg, out: Path) -> Path | None:
+    """The checkpoint a run continues from: none, the newest complete one in `out`, or the one named."""
+    if cfg.resume == "none":
+        return None
+    return checkpoint.latest(out) if cfg.resume == "auto" else Path(cfg.resume)
+
+
+def check_resumable(cfg, resumed: Path, out: Path, world: int) -> None:
+    """A ConfigError when the checkpoint `resumed` cannot continue this run: written by another number
+    of ranks, older than `out`'s newest, or past `iterations`."""
+    checkpoint.check_world(resumed, world)
+    check_no_later_checkpoints(resumed, out)
+    done = checkpoint.iteration_of(resumed)
+    if done is not None and done > cfg.iterations:  # (equal: the evaluation and report are left to do)
+        raise ConfigError(
+            f"iterations={cfg.iterations}, but {resumed} is at iteration {done}: a run cannot go back; give "
+            f"iterations >= {done}, or another output_dir"
+        )
+
+
+def check_no_later_checkpoints(resumed: Path, out: Path) -> None:
+    """A ConfigError when `out` holds checkpoints newer than the one resumed: the two runs' checkpoints
+    would mix (resume=auto picking the abandoned run's newest after a crash), and metrics.csv would
+    lose the rows after the resumed iteration."""
+    iteration, newest = checkpoint.iteration_of(resumed), checkpoint.latest(out)
+    later = checkpoint.iteration_of(newest) if newest is not None else None
+    if iteration is not None and later is not None and later > iteration:
+        raise ConfigError(
+            f"resume={resumed} continues from iteration {iteration}, but output_dir {out} holds a later "
+            f"checkpoint, {newest}: continuing here would mix the two runs' checkpoints and drop metrics.csv's "
+            f"rows after iteration {iteration}. Give another output_dir, or move the later checkpoints and "
+            "metrics.csv away"
+        )
+
+
+def keep_changed_settings(cfg, out: Path, resumed: Path, iteration: int) -> None:
+    """A run resumed from `resumed` (at `iteration`) with other settings than those its iterations ran
+    with (its run's config.yaml, or the config-until-<iteration>.yaml an earlier resume kept) says
+    which; in `out` the old settings are kept, as config-until-<iteration>.yaml, before the new
+    config.yaml replaces them. A warning only: nothing here stops the run."""
+    saved = settings_file(resumed, iteration)
+    if saved is None:  # a checkpoint moved out of its run: no settings to compare
+        return
+    run = saved.parent
+    until = run / f"config-until-{iteration:06d}.yaml"
+    try:
+        changed = changed_settings(load_config(str(saved)), cfg)
+    except Exception as exc:  # noqa: BLE001 (an unreadable file is reported, not fatal)
+        changed = [f"(which this version cannot read: {exc})"]
+    if not changed:
+        return
+    kept = ""
+    if run == out.resolve():  # this run's own settings: kept before config.yaml is replaced
+        if saved != until:
+            write_atomically(until, lambda tmp: tmp.write_bytes(saved.read_bytes()))
+        kept = f"; the settings before are kept in {until}"
+    print(f"stepfast: warning: resumed from {resumed} with other settings than those of {saved}: "
+          f"{', '.join(changed)}. The run goes on with these{kept}", file=sys.stderr)  # fmt: skip
+
+
+def keep_other_config(out: Path, text: str) -> None:
+    """A new run's config.yaml (`text`) replaces a file of that name already in `out` (a hand-written
+    config given with --config, say, or an attempt's that stopped before a checkpoint with other
+    settings): one that says otherwise is kept first, as config-before-<n>.yaml, and said."""
+    path = out / "config.yaml"
+    if not path.is_file() or path.read_text(errors="replace") == text:
+        return
+    n = 1
+    while (kept := out / f"config-before-{n}.yaml").exists():
+        n += 1
+    write_atomically(kept, lambda tmp: tmp.write_bytes(path.read_bytes()))
+    print(f"stepfast: {path} is replaced by this run's settings; the file there before is kept as {kept}",
+          file=sys.stderr)  # fmt: skip
+
+
+def set_aside_later_evaluations(out: Path, start: int) -> None:
+    """A run resumed to train on from iteration `start`: the evaluations a previous attempt wrote of
+    later weights (the one after training of a run that ended at the resumed checkpoint, and its
+    sample grid; those between iterations past it) would stand in this run's report until replaced,
+    and past a crash they would not be. Each is kept as <name>-before-<start>, which the report does
+    not read."""
+    later = [out / "eval_after.json", out / "report" / "samples_after.png"]
+    later += [p for p in out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
+    moved = []
+    for path in sorted(p for p in later if p.is_file()):
+        kept = path.with_name(f"{path.stem}-before-{start}{path.suffix}")
+        os.replace(path, kept)
+        moved.append(kept.relative_to(out))
+    if moved:
+        print(f"stepfast: the evaluations of weights past iteration {start - 1} that {out} held are kept as "
+              f"{', '.join(map(str, moved))}: this run draws its own")
