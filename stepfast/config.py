@@ -227,10 +227,10 @@ def changed_settings(before: Config, after: Config, ignore=("iterations", "resum
     """The settings `after` gives otherwise than `before`, one `key: old -> new` each, in the order
     of the configuration, apart from `ignore` (those a resumed run changes as a matter of course)."""
     pairs = ((key, _get_dotted(before, key), _get_dotted(after, key)) for key in _dotted_keys() if key not in ignore)
-    return [f"{key}: {_shown(old)} -> {_shown(new)}" for key, old, new in pairs if old != new]
+    return [f"{key}: {shown(old)} -> {shown(new)}" for key, old, new in pairs if old != new]
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A setting's value as YAML writes it inline (null, [0, 9], 0.001, shapeeval:train)."""
     text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=10**6)
     return text.strip().removesuffix("...").strip()

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from stepfast import checkpoint, grpo, rewards, sde
-from stepfast.config import ConfigError, load_config
+from stepfast.config import ConfigError, load_config, shown
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.files import check_creatable_dir
 from stepfast.models import check_pipeline_dir
@@ -299,9 +299,6 @@ def engine_settings_problem(cfg, resumed: Path) -> str | None:
                    before.model.lora_rank != cfg.model.lora_rank),
                   ("model.lora_targets", before.model.lora_targets, cfg.model.lora_targets,
                    set(before.model.lora_targets) != set(cfg.model.lora_targets))]  # fmt: skip
-    def shown(value) -> str:
-        return str(value).lower() if isinstance(value, bool) else str(value)
-
     changed = [f"{key}: {shown(old)} -> {shown(new)}" for key, old, new, differs in pairs if differs]
     if not changed:
         return None
