@@ -155,9 +155,17 @@ def encode_scenes(vae, images: np.ndarray, device, batch: int = 256) -> tuple[to
 
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt embeddings [N, L, D] and pooled embeddings [N, P], as the trainer computes them."""
-    cond = policy.encode_prompts(pipe, prompts, cfg_scale=1.0, device=device)
-    return cond.embeds.float(), cond.pooled.float()
+    """Prompt embeddings [N, L, D] and pooled embeddings [N, P] of distinct `prompts`, encoded as one
+    batch at the trainer's text length. One batch, as the shipped model was built: the trainer
+    encodes each text alone (policy.encode_prompts), whose pooled rows differ from these by a
+    rounding, and the rebuild would no longer write the shipped weights."""
+    if len(set(prompts)) < len(prompts):
+        raise ValueError("pretrain encodes distinct prompts: the list repeats one")
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompt=prompts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
+        max_sequence_length=policy.text_length(pipe),
+    )  # fmt: skip
+    return embeds.float(), pooled.float()
 
 
 def zero_init_modulation(transformer) -> None:

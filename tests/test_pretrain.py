@@ -193,3 +193,22 @@ def test_ctrl_c_in_pretrain_is_one_line(tmp_path, monkeypatch, capsys):
     assert err.endswith("\npython -m stepfast.pretrain: interrupted (--out is replaced only once the new model is "
                         "written whole; snapshots written so far are kept)\n") and "Traceback" not in err  # fmt: skip
     assert not (tmp_path / "model").exists()
+
+
+def test_pretrain_encodes_its_prompts_as_the_shipped_model_was_built():
+    """The shipped model was trained on the prompts encoded as one batch; the trainer encodes each
+    text alone (its rows the same bits on any rank layout), which moves the pooled embeddings by a
+    rounding. Pretraining keeps the one batch, so `--overwrite` still writes the shipped weights."""
+    from stepfast import policy
+    from stepfast.data.shapeeval import load_metadata
+
+    pipe = load_pipeline(EMBEDDED_MODEL)
+    prompts = [m["prompt"] for m in load_metadata("train")[:40]] + [""]
+    embeds, pooled = pretrain.encode_prompts(pipe, prompts, "cpu")
+    batch = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
+                               do_classifier_free_guidance=False, max_sequence_length=policy.text_length(pipe))  # fmt: skip
+    assert torch.equal(embeds, batch[0]) and torch.equal(pooled, batch[2])
+    alone = policy.encode_prompts(pipe, prompts, cfg_scale=1.0, device="cpu")
+    assert torch.allclose(pooled, alone.pooled, atol=1e-5)  # the same embeddings, but for rounding
+    with pytest.raises(ValueError, match="repeats one"):
+        pretrain.encode_prompts(pipe, ["a red circle", "a red circle"], "cpu")
