@@ -36,6 +36,19 @@ def backends_for(device: str) -> list[str]:
 
 DEVICE_BACKENDS = [(d, b) for d in DEVICES for b in backends_for(d)]
 DEVICE_BACKEND_IDS = [f"{d}-{b}" for d, b in DEVICE_BACKENDS]
+# The fused backends alone, for tests that measure a kernel against the eager torch code (the torch
+# backend against itself could not fail).
+FUSED_BACKENDS = [(d, b) for d, b in DEVICE_BACKENDS if b != "torch"]
+FUSED_BACKEND_IDS = [f"{d}-{b}" for d, b in FUSED_BACKENDS]
+
+
+@pytest.fixture(autouse=True)
+def _cpp_backend_is_what_runs(request):
+    """A test asked for the cpp backend runs the C++ kernels or is skipped, saying why: without
+    stepfast._C the dispatcher falls back to torch, and the test would check torch under cpp's name."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "cpp" and not cpp_backend.AVAILABLE:
+        pytest.skip(f"stepfast._C is not available ({cpp_backend.REASON})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,7 +227,7 @@ def test_step_matches_float64(kind, convention, case, device, backend):
         assert_matches64(log_prob.cpu(), ref_lp.cpu(), what="log_prob")
 
 
-@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("device,backend", FUSED_BACKENDS, ids=FUSED_BACKEND_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["mean_prime", "tokens_p2"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -287,7 +300,7 @@ def test_logprob_matches_float64(kind, convention, case, with_kl, device, backen
         assert kl is None
 
 
-@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
+@pytest.mark.parametrize("device,backend", FUSED_BACKENDS, ids=FUSED_BACKEND_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["mean_prime", "tokens_p2"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -316,8 +329,9 @@ def test_logprob_mixed_dtypes(device, backend):
     assert grad_v.dtype == torch.bfloat16
     assert_matches64(lp, ref_lp.detach(), what="log_prob")
     assert_matches64(kl, ref_kl.detach(), what="kl")
-    assert_no_worse(grad_v, e_grad_v, v64.grad, "grad_v")
-    assert_no_worse(grad_v_ref, e_grad_v_ref, v_ref64.grad, "grad_v_ref")
+    if backend != "torch":  # the torch backend is the eager code these gradients are measured against
+        assert_no_worse(grad_v, e_grad_v, v64.grad, "grad_v")
+        assert_no_worse(grad_v_ref, e_grad_v_ref, v_ref64.grad, "grad_v_ref")
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
