@@ -51,11 +51,14 @@ def test_joint_normalisation_keeps_late_noise_small_per_step_inflates_it():
     assert per_step[..., 5:].std(1).min() > 0.85  # late noise promoted to unit-scale advantages
     # per-step statistics: every step has zero mean and std sigma_j / (sigma_j + eps) over the group
     assert torch.allclose(per_step.mean(1), torch.zeros(g, t), atol=1e-5)
-    sigma = step_gains.std(1, correction=0)
-    assert torch.allclose(per_step.std(1, correction=0), sigma / (sigma + 1e-4), atol=1e-4)
-    # joint statistics: zero mean and unit std over the group's N x T advantages
+    # (the gains as the credit reads them: differences of the float32 rewards, taken in float64)
+    seen = rewards.double().diff(dim=-1)
+    sigma = seen.std(1, correction=0)
+    assert torch.allclose(per_step.std(1, correction=0).double(), sigma / (sigma + 1e-4), atol=1e-6)
+    # joint statistics: zero mean and std sigma / (sigma + eps) over the group's N x T advantages
     assert torch.allclose(joint.mean((1, 2)), torch.zeros(g), atol=1e-5)
-    assert torch.allclose(joint.std((1, 2), correction=0), torch.ones(g), atol=1e-3)
+    sigma = seen.std((1, 2), correction=0)
+    assert torch.allclose(joint.std((1, 2), correction=0).double(), sigma / (sigma + 1e-4), atol=1e-6)
 
 
 def flow_grpo_stat_tracker(prompts, rewards, global_std):
@@ -145,8 +148,9 @@ def test_turning_point_hand_example():
     only_pos = rewards[:, :1]
     assert turning_point_rewards(only_pos, balance=True).tolist() == [[[-1.0, 3.0, 1.0]]]
     adv = compute_advantages("turning_point", rewards, balance=False)
-    # per-step normalisation over the group of two: +-1 / (1 + eps / std) at every step
-    assert torch.allclose(adv.abs(), torch.ones(1, 2, 3), atol=1e-3)
+    # per-step normalisation over the group of two: +-std / (std + eps), the steps' stds 1, 4 and 1
+    std = torch.tensor([1.0, 4.0, 1.0], dtype=torch.float64)
+    assert torch.allclose(adv.abs().double(), (std / (std + 1e-4)).expand(1, 2, 3), rtol=0, atol=1e-7)  # float32
 
 
 def test_turning_point_balance_keeps_the_largest_return_to_go_and_advantages_normalise_them():

@@ -217,7 +217,9 @@ def test_advantages_follow_the_credit_options():
     global_std = grpo.advantages(rewards, load_config("flow_grpo", ["rollout.groups=2", "rollout.group_size=4",
                                                                     "credit_opts.global_std=true"]))  # fmt: skip
     # per group both groups get +-1; with one std for the batch the low-spread group gets less
-    torch.testing.assert_close(per_group[:, 0], torch.tensor([-1.0, 1, -1, 1, -1, 1, -1, 1]), rtol=0, atol=3e-3)
+    # (+-std / (std + eps): the groups' stds are 0.5 and 0.05)
+    unit = torch.tensor([0.5 / (0.5 + 1e-4)] * 4 + [0.05 / (0.05 + 1e-4)] * 4)
+    torch.testing.assert_close(per_group[:, 0], unit * torch.tensor([-1.0, 1, -1, 1, -1, 1, -1, 1]), rtol=0, atol=1e-6)
     final = rewards[:, -1].reshape(2, 4)
     want = (final - final.mean(1, keepdim=True)) / (final.std(correction=0) + load_config("flow_grpo").credit_opts.eps)
     torch.testing.assert_close(global_std[:, 0], want.flatten(), rtol=1e-5, atol=1e-6)
