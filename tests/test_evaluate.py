@@ -376,6 +376,11 @@ def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tm
     with pytest.raises(ValueError, match=rf"hold {len(extra)} LoRA tensors, but only {len(weights)} of them reached.*"
                                          "It would sample with part of the adapter"):  # fmt: skip
         load_lora(load_pipeline(path), tmp_path / "extra.safetensors")
+    torch.save(peft_keys, tmp_path / "peft.bin")  # a pickled state dict is checked alike
+    with pytest.raises(ValueError, match=rf"{tmp_path}/peft.bin hold {len(weights)} LoRA tensors, but none of them"):
+        load_lora(load_pipeline(path), tmp_path / "peft.bin")
+    torch.save(weights, tmp_path / "lora.bin")
+    load_lora(load_pipeline(path), tmp_path / "lora.bin")
 
 
 def test_the_command_says_a_lora_lacks_its_adapter_config_in_one_line(tiny, tmp_path):

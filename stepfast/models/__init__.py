@@ -230,8 +230,7 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     finally:
         for log in logs:
             log.removeFilter(quiet)
-    if file.suffix == ".safetensors":
-        _check_attached(file, _lora_tensors(pipe) - attached, type(pipe).__name__)
+    _check_attached(file, _lora_tensors(pipe) - attached, type(pipe).__name__)
     return pipe
 
 
@@ -250,10 +249,14 @@ def _check_attached(file: Path, attached: int, pipeline: str) -> None:
     """A ValueError when the LoRA tensors of `file` did not all reach a module: diffusers drops the
     keys it cannot place (another format, another model's modules) with at most a notice, and the
     pipeline would then sample as the base model does, or with part of the adapter."""
-    from safetensors import safe_open
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as handle:
-        keys = [k for k in handle.keys() if "lora" in k and not k.endswith(".alpha")]  # kohya's alphas: scales
+        with safe_open(str(file), framework="pt") as handle:
+            names = list(handle.keys())
+    else:  # a .bin state dict, which diffusers has just read the same way
+        names = list(torch.load(file, map_location="cpu", weights_only=True))
+    keys = [k for k in names if "lora" in k and not k.endswith(".alpha")]  # kohya's alphas: scales
     if attached >= len(keys):
         return
     what, then = ("none of them", "as the base model does") if attached == 0 else (
