@@ -200,7 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
             warnings.simplefilter("always")
             load_lora(pipe, args.lora)
         for warning in caught:
-            print(f"warning: {warning.message}", file=sys.stderr)
+            if issubclass(warning.category, UserWarning):
+                print(f"warning: {warning.message}", file=sys.stderr)
+            else:  # deprecations and the like go through Python's filters, which hide most
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if args.transformer:
         load_transformer(pipe, args.transformer)
     if args.size is not None:
