@@ -155,6 +155,8 @@ class Trainer:
         if self.main:  # written once the run is set up: a run that fails to start leaves the old one
             if self.resume_from is not None:
                 runfolder.keep_changed_settings(cfg, self.out, self.resume_from, self.start - 1)
+                if self.start <= cfg.iterations:  # training on: later weights' evaluations set aside
+                    runfolder.set_aside_later_evaluations(self.out, self.start)
             else:
                 runfolder.keep_other_config(self.out, to_yaml(cfg))
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
@@ -218,7 +220,6 @@ class Trainer:
                   "evaluation and report")  # fmt: skip
         elif self.main:
             print(f"stepfast: resumed from {path} at iteration {self.start}")
-            runfolder.set_aside_later_evaluations(self.out, self.start)
 
     def save(self, iteration: int) -> Path:
         # collective under ZeRO (every rank takes part in assembling each weight); rank 0 keeps them

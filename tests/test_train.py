@@ -630,16 +630,20 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     train(config)
     report = out / "report"
     grid = (report / "samples_before.png").read_bytes()
-    (report / "summary.md").unlink()  # as if the run had stopped before writing its report
     ended = {name: (out / name).read_bytes() for name in ("eval_after.json", "report/samples_after.png")}
+    summary = (report / "summary.md").read_text()
     proc = train(config, "resume=auto", "iterations=3")
     # the first attempt's evaluation after training (of iteration 1's weights) is set aside, not lost:
     # had this run crashed, its report would have shown it as the evaluation after training
     assert (f"the evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
-            "report/samples_after-before-2.png: this run draws its own") in proc.stdout, proc.stdout[-2000:]
+            "report/samples_after-before-2.png, report/summary-before-2.md: this run draws its own") in proc.stdout, \
+        proc.stdout[-2000:]  # fmt: skip
     for name, data in ended.items():
         kept = out / name.replace("after.", "after-before-2.")
         assert kept.read_bytes() == data and (out / name).read_bytes() != data
+    # the kept summary shows the kept grid
+    kept = (report / "summary-before-2.md").read_text()
+    assert kept == summary.replace("(samples_after.png)", "(samples_after-before-2.png)") and kept != summary
     # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error
     assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
     rows = metrics(out)
@@ -651,6 +655,20 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     summary = (report / "summary.md").read_text()
     assert "![before](samples_before.png)" in summary and "![after](samples_after.png)" in summary
     assert (report / "samples_before.png").read_bytes() == grid  # drawn once, before training
+
+
+def test_a_second_resume_at_the_same_iteration_keeps_both_attempts_evaluations(tmp_path, capsys):
+    from stepfast.runfolder import set_aside_later_evaluations
+
+    (tmp_path / "report").mkdir()
+    for attempt in ("first", "second"):
+        (tmp_path / "eval_after.json").write_text(attempt)
+        (tmp_path / "eval_iter000001.json").write_text(attempt)  # of weights the resume keeps
+        set_aside_later_evaluations(tmp_path, start=3)
+    assert (tmp_path / "eval_after-before-3.json").read_text() == "first"
+    assert (tmp_path / "eval_after-before-3-2.json").read_text() == "second"
+    assert not (tmp_path / "eval_after.json").exists() and (tmp_path / "eval_iter000001.json").read_text() == "second"
+    assert "are kept as eval_after-before-3-2.json: this run draws its own" in capsys.readouterr().out
 
 
 def test_kl_two_updates_per_iteration_and_a_last_evaluation_without_one_after(model_dir, tmp_path):
