@@ -93,17 +93,18 @@ def check_prompts(reward, records: list[PromptRecord], setting: str, source: str
         raise ConfigError(f"{setting}={source}: {exc}") from None
 
 
-def check_servers(by_setting: dict[str, object], world: int = 1) -> None:
+def check_servers(by_setting: dict[str, object], world: int = 1, size: int | None = None) -> None:
     """A ConfigError naming the setting when a reward scored by a server (`remote`) cannot reach it,
-    or the server does not serve what it asks for: found at start, not after the first rollout.
-    `by_setting`: each reward by the setting that names it. Every rank asks (each scores through its
+    the server does not serve what it asks for, or takes fewer pixels a request than one image of
+    `size` x `size` has: found at start, not after the first rollout. `by_setting`: each reward by
+    the setting that names it. Every rank asks (each scores through its
     own client, and may reach another server), and with several ranks every one stops when one
     fails: a server answers each of them on its own, unlike the files the other checks read."""
     error = None
     for key, reward in by_setting.items():
         if hasattr(reward, "check_server"):
             try:
-                reward.check_server()
+                reward.check_server(size=size)
             except ValueError as exc:
                 error = f"{key}: {exc}"
                 break

@@ -112,7 +112,8 @@ class Trainer:
                                       world, rank, cfg.seed, strata=self._strata())  # fmt: skip
         self.reward = build_reward(cfg, device)
         check_prompts(self.reward, self.prompts, "rollout.prompts", cfg.rollout.prompts)
-        check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world)
+        check_servers({f"reward.options.{name}": part for name, part in self.reward.rewards.items()}, world,
+                      size=cfg.rollout.resolution)  # fmt: skip
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup(prompts.eval) if cfg.eval.enabled else None
@@ -336,7 +337,8 @@ class Trainer:
         metas = [r.metadata or (dict(parse(r.prompt)) if parse else {"prompt": r.prompt}) for r in records]
         picked = heldout.spread_indices(metas, cfg.eval.limit or None)
         metas, records = [metas[i] for i in picked], [records[i] for i in picked]
-        check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world)
+        check_servers({f"eval.reward={cfg.eval.reward} (reward.options.{cfg.eval.reward})": reward}, self.world,
+                      size=cfg.rollout.resolution)  # fmt: skip
         return EvalSetup(metas, heldout.plan_samples(metas, cfg.eval.seeds, cfg.eval.min_images), reward, records)
 
     def evaluate(self, tag: str, keep_images: bool = False) -> dict:

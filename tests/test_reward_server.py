@@ -291,6 +291,11 @@ def test_images_over_the_request_pixel_limit_are_refused_before_decoding(local, 
         with pytest.raises(ValueError, match=r"takes at most 12288 pixels a request \(its --max-request-mpixels\); "
                                              r"each image here has 128x128 = 16384"):
             remote.score(np.zeros((2, 128, 128, 3), np.uint8), prompts[:2])
+        # found at start by the trainer's server check, which knows the rollout's resolution
+        remote.check_server(size=64)
+        with pytest.raises(ValueError, match=r"takes at most 12288 pixels a request \(its --max-request-mpixels\), "
+                                             r"fewer than one 128x128 image: raise the server's limit"):
+            rewards.load("remote", url=small.url, rewards=["shapes"], **FAST).check_server(size=128)
     finally:
         stop(small)
 

@@ -55,9 +55,9 @@ class GenEvalRemoteReward:
                 raise PromptError(i, "reward 'geneval_remote' scores GenEval metadata records (prompts from a "
                                      "*_metadata.jsonl file, each with its 'tag'); this prompt has none")  # fmt: skip
 
-    def check_server(self) -> None:
+    def check_server(self, size: int | None = None) -> None:
         """A ValueError naming the server when it does not accept connections (its protocol has no
-        health check), tried as a score request is."""
+        health check, and states no limit on an image's `size`), tried as a score request is."""
         check_accepts_connections(self.url, timeout=min(self.timeout, 10.0), retries=self.retries, backoff=self.backoff)
 
     def score(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:

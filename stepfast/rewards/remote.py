@@ -65,11 +65,13 @@ class RemoteReward:
         return get_json(self.url + "/health", timeout=min(self.timeout, 10.0), retries=retries,
                         backoff=self.backoff, server=self.url)  # fmt: skip
 
-    def check_server(self) -> None:
-        """A ValueError naming the server when it does not answer /health or does not serve every
-        reward asked for: what a trainer checks at start, rather than after its first rollout. Tried
-        as a score request is (`retries` more times, with the same backoff: about 31 s in all with
-        the defaults), so a server that is still starting is waited for that long."""
+    def check_server(self, size: int | None = None) -> None:
+        """A ValueError naming the server when it does not answer /health, does not serve every
+        reward asked for, or (given the `size` of the images it will score, square) takes fewer
+        pixels a request than one image has: what a trainer checks at start, rather than after its
+        first rollout. Tried as a score request is (`retries` more times, with the same backoff:
+        about 31 s in all with the defaults), so a server that is still starting is waited for that
+        long."""
         try:
             health = self.health(retries=self.retries)
         except RewardServerError as exc:
@@ -82,6 +84,10 @@ class RemoteReward:
         if missing:
             raise ValueError(f"reward server {self.url} serves {served}, not {missing}")
         self._limits = _limits_of(health)
+        max_pixels = self._limits[1]
+        if size is not None and max_pixels is not None and size * size > max_pixels:
+            raise ValueError(f"reward server {self.url} takes at most {max_pixels} pixels a request (its "
+                             f"--max-request-mpixels), fewer than one {size}x{size} image: raise the server's limit")
 
     def limits(self) -> tuple[int | None, int | None]:
         """The server's limits on one request, (bytes of its body, pixels of its images), as its

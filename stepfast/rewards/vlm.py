@@ -69,10 +69,11 @@ class VlmJudgeReward:
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         check_client_options(self.timeout, self.retries, self.backoff, None)
 
-    def check_server(self) -> None:
+    def check_server(self, size: int | None = None) -> None:
         """At start, a ValueError naming the server when it does not accept connections (tried as a
         request is), or when its model list (`/v1/models`, which vLLM and SGLang serve) lacks
-        `model`. A server without that list is taken at its word."""
+        `model`. A server without that list is taken at its word (the API states no limit on an
+        image's `size`)."""
         check_accepts_connections(self.endpoint, timeout=min(self.timeout, 10.0), retries=self.retries,
                                   backoff=self.backoff)  # fmt: skip
         models_url = self.endpoint.removesuffix("/chat/completions") + "/models"
