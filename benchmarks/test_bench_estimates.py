@@ -12,7 +12,6 @@ STEPFAST_BENCH_REPEATS (default 5) sets the number of calls of each.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 

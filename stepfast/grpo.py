@@ -230,7 +230,7 @@ class UpdateStats:
 
     totals: dict[str, float] = field(default_factory=dict)
     count: int = 0
-    weight: float = 0.0  # the micro-steps' weights summed (each its samples over the mean micro-batch's)
+    weight: float = 0.0  # the micro-steps' loss weights summed (samples over the mean micro-batch's x step weight)
     first: dict[str, float] = field(default_factory=dict)  # the first micro-step's ratios (on-policy: exactly 1)
     grad_norms: list[float] = field(default_factory=list)
 
