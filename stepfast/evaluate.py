@@ -20,12 +20,14 @@ import json
 import math
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from stepfast import heldout
-from stepfast.data.prompts import numbered_lines, load_prompts, resolve_prompt_file
+from stepfast.config import ConfigError
+from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.data.shapeeval import parse_prompt
 from stepfast.files import check_creatable_dir, write_atomically
 from stepfast.models import (
@@ -39,16 +41,22 @@ from stepfast.models import (
     lora_weights_file,
 )
 from stepfast.policy import check_resolution, quiet_truncation_notices
-from stepfast.startup import cut_prompt_warning, tag_problem
+from stepfast.startup import check_prompts, cut_prompt_warning, tag_problem
 
 
-def read_prompts(source: str, lines: list[int] | None = None) -> list[dict]:
+def read_prompts(source: str) -> list[dict]:
     """Metadata records for "train", "test" (or "shapeeval:train", "shapeeval:test"), a GenEval
     `*.jsonl` metadata file, or a `.txt` file of ShapeEval prompts (one per line, blank lines
     skipped, parsed into metadata). Files are read by `stepfast.data.prompts`, as the trainer reads
     them: a missing file, a directory, a line that is not UTF-8 or not JSON raises an error naming
     the file (and the line, `path:line`), as do a GenEval `tag` that is not text and a `.txt` prompt
-    ShapeEval cannot parse. `lines`, when given, is filled with each record's line in the file."""
+    ShapeEval cannot parse."""
+    return [record.metadata for record in read_prompt_records(source)[1]]
+
+
+def read_prompt_records(source: str) -> tuple[Path, list[PromptRecord]]:
+    """`read_prompts`'s file and its records, each with its line and its metadata (parsed from the
+    text for a `.txt` file)."""
     path = resolve_prompt_file(f"shapeeval:{source}" if source in ("train", "test") else source)
     if path.suffix not in (".txt", ".jsonl") and not path.exists():
         raise ValueError(f"{source!r} is not train, test, shapeeval:train, shapeeval:test, a GenEval "
@@ -57,18 +65,15 @@ def read_prompts(source: str, lines: list[int] | None = None) -> list[dict]:
     records = load_prompts(path)
     if problem := tag_problem(records, path):  # the table groups by tag
         raise ValueError(problem)
-    if lines is not None:
-        lines[:] = [record.line for record in records]
     if path.suffix == ".jsonl":
-        return [record.metadata for record in records]  # as shapeeval.load_metadata reads them
+        return path, records  # their metadata as shapeeval.load_metadata reads them
     parsed = []
     for record in records:
         try:
-            parsed.append(parse_prompt(record.prompt))
-        except ValueError as exc:  # named by its line, which the file is read again to find
-            line = next(n for n, text in numbered_lines(path) if text.strip() == record.prompt)
-            raise ValueError(f"{path}:{line}: {exc}") from None
-    return parsed
+            parsed.append(replace(record, metadata=parse_prompt(record.prompt)))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{record.line}: {exc}") from None
+    return path, parsed
 
 
 REPORT_FILES = ("results.json", "results.md", "samples.png")
@@ -165,23 +170,19 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(f"--out: {exc}")
 
-    lines: list[int] = []
     try:  # a missing or unreadable prompt file, named with its bad line
-        records = read_prompts(args.prompts, lines)
+        source, records = read_prompt_records(args.prompts)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(f"--prompts: {exc}")
-    picked = heldout.spread_indices(records, args.limit)
-    metadata = [records[i] for i in picked]
-    from stepfast.rewards import PromptError, load
+    records = [records[i] for i in heldout.spread_indices([r.metadata for r in records], args.limit)]
+    metadata = [record.metadata for record in records]
+    from stepfast.rewards import load
 
     reward = load("shapes")
     try:  # a record ShapeEval cannot score (GenEval's "dog"), named by its line before anything is drawn
-        reward.check([m.get("prompt") for m in metadata], metadata)
-    except PromptError as exc:
-        source = resolve_prompt_file(f"shapeeval:{args.prompts}" if args.prompts in ("train", "test") else args.prompts)
-        parser.error(f"--prompts: {source}:{lines[picked[exc.index]]}: {exc.by()}{exc.reason}")
-    except ValueError as exc:
-        parser.error(f"--prompts {args.prompts}: {exc}")
+        check_prompts(reward, records, "--prompts", str(source))
+    except ConfigError as exc:
+        parser.error(str(exc))
     for flag, check in (("--lora", lora_weights_file), ("--transformer", check_transformer_dir),
                         ("--model", check_pipeline_dir)):  # fmt: skip
         value = getattr(args, flag[2:])
