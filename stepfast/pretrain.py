@@ -320,26 +320,28 @@ def check_out(out: Path, snapshots: Sequence[int] = (), overwrite: bool = False)
     to `out` (or its snapshots, the steps N of `snapshots`, to OUT-snapshots/step-N) without
     deleting what is not a pipeline, or when one of them holds a pipeline and `overwrite` was not
     given."""
-    check_replaceable(out)
-    if not overwrite and (out / "model_index.json").exists():
-        raise ValueError(f"{out} holds a pipeline already; give --overwrite to replace it (the run writes it "
-                         "only once trained), or another --out")  # fmt: skip
+    _check_target(out, overwrite, f"{out} holds a pipeline already; give --overwrite to replace it (the run "
+                                  "writes it only once trained), or another --out")  # fmt: skip
     check_creatable_dir(out)
     check_creatable_dir(out.absolute().parent)  # the pipeline is written next to `out`, then renamed in
-    for suffix in (".tmp", ".old"):  # write_pipeline's working names next to `out`
-        check_replaceable(out.with_name(out.name + suffix), partial_ok=True)
     if snapshots:
         folder = out.with_name(out.name + "-snapshots")
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} (where --snapshot-every writes step-N pipelines) is a file, not a directory")
         for step in snapshots:
             path = folder / f"step-{step}"
-            check_replaceable(path)
-            if not overwrite and (path / "model_index.json").exists():
-                raise ValueError(f"{path} holds a snapshot already (an earlier run's); give --overwrite to replace "
-                                 "it, or another --out")  # fmt: skip
-            for suffix in (".tmp", ".old"):
-                check_replaceable(path.with_name(path.name + suffix), partial_ok=True)
+            _check_target(path, overwrite, f"{path} holds a snapshot already (an earlier run's); give --overwrite "
+                                           "to replace it, or another --out")  # fmt: skip
+
+
+def _check_target(path: Path, overwrite: bool, held: str) -> None:
+    """`path` may take a pipeline written by `write_pipeline`: it holds none (ValueError `held`)
+    unless `overwrite`, nor anything else that is not a pipeline, nor are its working names taken."""
+    check_replaceable(path)
+    if not overwrite and (path / "model_index.json").exists():
+        raise ValueError(held)
+    for suffix in (".tmp", ".old"):  # write_pipeline's working names next to `path`
+        check_replaceable(path.with_name(path.name + suffix), partial_ok=True)
 
 
 def write_pipeline(pipe, out: Path) -> None:
