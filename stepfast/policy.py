@@ -145,20 +145,21 @@ def encode_prompts(pipe, prompts: list[str], cfg_scale: float, device) -> Prompt
     their prompt (the SD3.5 presets' 24 members a prompt took 24 T5 passes each), and a text's row is
     then the same bits however the groups are shared out over ranks (a batch's shape changes its
     rounding, as the VAE's does: `decode`)."""
-    distinct = list(dict.fromkeys(prompts))
+    if not prompts:
+        raise ValueError("encode_prompts needs at least one prompt, got none")
+    guided = cfg_scale > 1
+    distinct = list(dict.fromkeys([*prompts, ""] if guided else prompts))  # "" the negative prompt
     rows = [pipe.encode_prompt(prompt=[text], prompt_2=None, prompt_3=None, device=device,
-                               do_classifier_free_guidance=cfg_scale > 1, negative_prompt=[""],
-                               max_sequence_length=text_length(pipe))
+                               do_classifier_free_guidance=False, max_sequence_length=text_length(pipe))
             for text in distinct]  # fmt: skip
+    embeds, pooled = torch.cat([r[0] for r in rows]), torch.cat([r[2] for r in rows])
     row = {text: i for i, text in enumerate(distinct)}
-    index = torch.tensor([row[text] for text in prompts])
-    embeds, neg, pooled, neg_pooled = (
-        None if parts[0] is None else torch.cat(parts).index_select(0, index.to(parts[0].device))
-        for parts in zip(*rows)
-    )
-    if cfg_scale > 1:
-        return PromptEmbeddings(embeds, pooled, neg, neg_pooled)
-    return PromptEmbeddings(embeds, pooled)
+    index = torch.tensor([row[text] for text in prompts], device=embeds.device)
+    cond = PromptEmbeddings(embeds.index_select(0, index), pooled.index_select(0, index))
+    if not guided:
+        return cond
+    empty = torch.full_like(index, row[""])
+    return PromptEmbeddings(cond.embeds, cond.pooled, embeds.index_select(0, empty), pooled.index_select(0, empty))
 
 
 def velocity(transformer, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeddings, cfg_scale: float) -> torch.Tensor:

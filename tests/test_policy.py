@@ -7,7 +7,7 @@ import torch
 
 from stepfast.models import load_pipeline
 from stepfast.models.tiny import tiny_pipeline_dir
-from stepfast.policy import encode_prompts, latent_shape, velocity
+from stepfast.policy import encode_prompts, latent_shape, text_length, velocity
 from stepfast.sde import sd3_time_grid
 
 
@@ -208,8 +208,9 @@ def test_prompts_the_text_encoders_cut_are_said_once_and_not_at_every_encoding(t
 
 def test_a_prompt_a_group_shares_is_encoded_once(tmp_path, monkeypatch):
     """The members of a group share their prompt: encode_prompts encodes each text once, alone, and
-    repeats its row, with and without guidance; so a text's row is the same bits in any batch (the
-    prompts a rank holds depend on how many ranks share the groups)."""
+    repeats its row, with and without guidance (the empty negative prompt once too); so a text's row
+    is the same bits in any batch (the prompts a rank holds depend on how many ranks share the
+    groups), those diffusers' pipeline gives the prompt alone."""
     pipe = load_pipeline(tiny_pipeline_dir(tmp_path, seed=0))
     texts = ["a photo of a red circle", "a photo of two squares"]
     prompts = [texts[0]] * 3 + [texts[1]] * 2 + [texts[0]]
@@ -219,11 +220,14 @@ def test_a_prompt_a_group_shares_is_encoded_once(tmp_path, monkeypatch):
     for cfg_scale in (1.0, 4.5):
         asked.clear()
         cond = encode_prompts(pipe, prompts, cfg_scale, torch.device("cpu"))
-        assert asked == [[texts[0]], [texts[1]]]
-        fields = ("embeds", "pooled") + (("neg_embeds", "neg_pooled") if cfg_scale > 1 else ())
-        each = [encode_prompts(pipe, [p], cfg_scale, torch.device("cpu")) for p in prompts]
-        for field in fields:
-            rows = getattr(cond, field)
-            assert rows.shape[0] == len(prompts)
-            for i in range(len(prompts)):
-                assert torch.equal(rows[i], getattr(each[i], field)[0]), (field, i)
+        assert asked == [[texts[0]], [texts[1]]] + ([[""]] if cfg_scale > 1 else [])
+        assert (cond.neg_embeds is None) == (cfg_scale == 1)
+        for i, text in enumerate(prompts):  # diffusers' own encoding of the prompt alone
+            embeds, neg, pooled, neg_pooled = encode(
+                prompt=[text], prompt_2=None, prompt_3=None, device="cpu", do_classifier_free_guidance=cfg_scale > 1,
+                negative_prompt=[""], max_sequence_length=text_length(pipe))  # fmt: skip
+            assert torch.equal(cond.embeds[i], embeds[0]) and torch.equal(cond.pooled[i], pooled[0]), i
+            if cfg_scale > 1:
+                assert torch.equal(cond.neg_embeds[i], neg[0]) and torch.equal(cond.neg_pooled[i], neg_pooled[0]), i
+    with pytest.raises(ValueError, match="needs at least one prompt, got none"):
+        encode_prompts(pipe, [], 4.5, torch.device("cpu"))
