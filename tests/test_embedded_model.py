@@ -106,7 +106,7 @@ def test_load_pipeline_gives_eval_mode_fp32_without_grads():
     pipe = load_pipeline(EMBEDDED_MODEL)
     assert not pipe.transformer.training
     assert not any(p.requires_grad for p in pipe.transformer.parameters())
-    assert text_length(pipe) == 12
+    assert text_length(pipe) == 12  # the tokenizers' model_max_length, tiny.py's text_length when built
 
 
 # --------------------------------------------------------------------------------------------------

@@ -612,7 +612,8 @@ def test_evaluation_is_shared_by_the_ranks(model_dir, tmp_path):
         grids = [np.asarray(Image.open(tmp_path / f"ranks{r}" / "report" / f"samples_{tag}.png"), dtype=float)
                  for r in (1, 2)]  # fmt: skip
         assert grids[0].shape == grids[1].shape
-        assert np.abs(grids[0] - grids[1]).mean() < 1.0, tag
+        diff = np.abs(grids[0] - grids[1])  # a pixel off by 6.6e-7 crosses a rounding step at most
+        assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (tag, diff.max(), (diff > 0).mean())
 
 
 SMALL_EVAL = {"prompts": "shapeeval:test", "reward": "train_helpers:brightness_eval", "limit": 3, "seeds": 1,
