@@ -132,6 +132,8 @@ class RemoteReward:
         if metadata is not None and len(metadata) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(metadata)} metadata records")
         parts: dict[str, dict[str, list]] = {name: {} for name in self.names}
+        # every image encoded first (a request's size is measured before it is cut): the batch's
+        # PNGs, a fraction of its pixels, are held at once
         encoded = [encode_png(p) for p in pixels]
         for start, stop in self._requests(encoded, pixels, prompts, metadata):
             request = {"rewards": self.names, "images": encoded[start:stop], "prompts": prompts[start:stop]}
