@@ -94,11 +94,12 @@ def keep_other_config(out: Path, text: str) -> None:
 def set_aside_later_evaluations(out: Path, start: int) -> None:
     """A run resumed to train on from iteration `start`: the evaluations a previous attempt wrote of
     later weights (the one after training of a run that ended at the resumed checkpoint, its sample
-    grid and the summary that shows them; those between iterations past it) would stand in this run's
-    report until replaced, and past a crash they would not be. Each is kept as <name>-before-<start>
-    (-2, -3, ... when an earlier resume at `start` kept one), which the report does not read; a kept
-    summary links to the kept grid."""
-    later = [out / "eval_after.json", out / "report" / "samples_after.png", out / "report" / "summary.md"]
+    grid, the evaluation curve and the summary that show them; those between iterations past it)
+    would stand in this run's report until replaced, and past a crash they would not be. Each is
+    kept as <name>-before-<start> (-2, -3, ... when an earlier resume at `start` kept one), which the
+    report does not read; a kept summary names the kept files."""
+    report = out / "report"
+    later = [out / "eval_after.json", report / "samples_after.png", report / "eval_curve.png", report / "summary.md"]
     later += [p for p in out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
     moved = {}
     for path in sorted(p for p in later if p.is_file()):
@@ -108,11 +109,13 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
             kept = path.with_name(f"{path.stem}-before-{start}-{n}{path.suffix}")
         os.replace(path, kept)
         moved[path] = kept
-    summary = moved.get(out / "report" / "summary.md")
-    grid = moved.get(out / "report" / "samples_after.png")
-    if summary is not None and grid is not None:
-        text = summary.read_text(errors="replace").replace("(samples_after.png)", f"({grid.name})")
+    summary = moved.pop(report / "summary.md", None)
+    if summary is not None:
+        text = summary.read_text(errors="replace")
+        for path, kept in moved.items():
+            text = text.replace(path.name, kept.name)
         write_atomically(summary, lambda tmp: tmp.write_text(text))
+        moved[report / "summary.md"] = summary
     if moved:
         print(f"stepfast: the evaluations of weights past iteration {start - 1} that {out} held are kept as "
               f"{', '.join(str(kept.relative_to(out)) for kept in moved.values())}: this run draws its own")

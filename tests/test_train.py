@@ -631,20 +631,22 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     train(config)
     report = out / "report"
     grid = (report / "samples_before.png").read_bytes()
-    ended = {name: (out / name).read_bytes() for name in ("eval_after.json", "report/samples_after.png")}
+    ended = {name: (out / name).read_bytes() for name in ("eval_after.json", "report/samples_after.png",
+                                                          "report/eval_curve.png")}  # fmt: skip
     summary = (report / "summary.md").read_text()
     proc = train(config, "resume=auto", "iterations=3")
     # the first attempt's evaluation after training (of iteration 1's weights) is set aside, not lost:
     # had this run crashed, its report would have shown it as the evaluation after training
     assert (f"the evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
-            "report/samples_after-before-2.png, report/summary-before-2.md: this run draws its own") in proc.stdout, \
-        proc.stdout[-2000:]  # fmt: skip
+            "report/eval_curve-before-2.png, report/samples_after-before-2.png, report/summary-before-2.md: this "
+            "run draws its own") in proc.stdout, proc.stdout[-2000:]  # fmt: skip
     for name, data in ended.items():
-        kept = out / name.replace("after.", "after-before-2.")
+        kept = out / name.replace(".", "-before-2.")
         assert kept.read_bytes() == data and (out / name).read_bytes() != data
-    # the kept summary shows the kept grid
+    # the kept summary shows the kept files
     kept = (report / "summary-before-2.md").read_text()
-    assert kept == summary.replace("(samples_after.png)", "(samples_after-before-2.png)") and kept != summary
+    for name in ("eval_after.json", "samples_after.png", "eval_curve.png"):
+        assert name in summary and name.replace(".", "-before-2.") in kept and name not in kept, name
     # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error
     assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
     rows = metrics(out)
@@ -1041,8 +1043,10 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
     from stepfast.startup import check_servers
 
     class Answers:
-        def check_server(self):
-            pass
+        size = None
+
+        def check_server(self, size=None):
+            self.size = size
 
     def gathered(out, mine):  # as all_gather_object on rank 0 of two, whose rank 1 failed
         out[:] = [mine, "reward.options.remote: reward server http://node1:8600 failed after 6 attempt(s)"]
@@ -1051,6 +1055,9 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
     with pytest.raises(ConfigError, match=r"^\(on rank 1\) reward.options.remote: reward server http://node1:8600"):
         check_servers({"reward.options.remote": Answers()}, world=2)
     check_servers({"reward.options.shapes": object()}, world=2)  # no server to ask: no collective
+    answers = Answers()
+    check_servers({"reward.options.remote": answers}, world=1, size=64)
+    assert answers.size == 64  # the images' side, which the server's pixel limit is checked against
 
     cfg = base_config(model_dir, tmp_path / "run", reward={
         "weights": {"remote": 1.0}, "options": {"remote": {"url": "http://127.0.0.1:9", "rewards": ["shapes"],
