@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         for warning in caught:
             if issubclass(warning.category, UserWarning):
                 print(f"warning: {warning.message}", file=sys.stderr)
-            else:  # deprecations and the like go through Python's filters, which hide most
+            else:  # deprecations and the like go through Python's filters (DeprecationWarning hidden)
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if args.transformer:
         load_transformer(pipe, args.transformer)

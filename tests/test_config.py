@@ -13,9 +13,10 @@ from stepfast.config import ConfigError, load_config
 
 @pytest.mark.parametrize("name", ["default", "flow_grpo", "sd3_medium_geneval", "sd3_medium_pickscore"])
 def test_presets_load_round_trip_and_lay_out_an_iteration(name, tmp_path):
-    """Each preset writes to runs/<name>, reads back from the config.yaml a run writes as the same
-    settings, and trains at least one step with samples that split over one rank and eight (the SD3.5
-    presets on SD3.5's time grid, shift 3, as their model directory is not here)."""
+    """Each preset writes to runs/<name>, reads back from its YAML (config.to_yaml, which a run writes
+    as config.yaml) as the same settings, has a trained step, and lays out an iteration on one rank
+    and on eight (the SD3.5 presets on SD3.5's time grid, shift 3, as their model directory is not
+    here)."""
     from stepfast import grpo
     from stepfast.config import to_yaml
     from stepfast.startup import iteration_problem, trained_steps_of

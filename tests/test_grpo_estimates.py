@@ -216,7 +216,7 @@ def test_advantages_follow_the_credit_options():
                                                                    "credit_opts.global_std=false"]))  # fmt: skip
     global_std = grpo.advantages(rewards, load_config("flow_grpo", ["rollout.groups=2", "rollout.group_size=4",
                                                                     "credit_opts.global_std=true"]))  # fmt: skip
-    # per group both groups get +-1; with one std for the batch the low-spread group gets less
+    # per group each group's std scales its own advantages; with one std for the batch the low-spread group gets less
     # (+-std / (std + eps): the groups' stds are 0.5 and 0.05)
     unit = torch.tensor([0.5 / (0.5 + 1e-4)] * 4 + [0.05 / (0.05 + 1e-4)] * 4)
     torch.testing.assert_close(per_group[:, 0], unit * torch.tensor([-1.0, 1, -1, 1, -1, 1, -1, 1]), rtol=0, atol=1e-6)
