@@ -1171,6 +1171,17 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
     assert_unchanged(out, files)
 
 
+def fp16_runs_here() -> bool:
+    """Whether DeepSpeed accepts optim.precision=fp16 on this machine: on CUDA, and on a CPU whose
+    oneDNN computes in fp16 (AVX512-FP16: DeepSpeed's CPU accelerator asks torch, as here)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["reward.options={train_helpers:brightness: {bogus: 1}}"], "options ['bogus'] do not fit"),
     (["optim.deepspeed={amp: {enabled: true}}"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
@@ -1187,7 +1198,8 @@ def test_resume_names_a_damaged_or_mismatched_run_and_changes_nothing(baseline, 
      "eval.reward=remote (reward.options.remote): reward server http://127.0.0.1:9 failed after 1 attempt(s)"),
     pytest.param(["optim.precision=fp16"], "DeepSpeed refused this run's settings (optim.zero_stage=2, "
                  "optim.precision=fp16, optim.deepspeed={}): Type fp16 is not supported on your device",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs fp16")),
+                 marks=pytest.mark.skipif(fp16_runs_here(), reason="this machine runs fp16 (CUDA, or a CPU "
+                                          "whose oneDNN has fp16, which DeepSpeed's CPU accelerator then allows)")),
 ])  # fmt: skip
 def test_settings_that_cannot_run_are_named_at_start(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, tmp_path / "run"))
