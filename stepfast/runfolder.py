@@ -5,8 +5,10 @@ keeps."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from stepfast import checkpoint
@@ -83,9 +85,7 @@ def keep_other_config(out: Path, text: str) -> None:
     path = out / "config.yaml"
     if not path.is_file() or path.read_text(errors="replace") == text:
         return
-    n = 1
-    while (kept := out / f"config-before-{n}.yaml").exists():
-        n += 1
+    kept = _first_free(out / f"config-before-{n}.yaml" for n in itertools.count(1))
     write_atomically(kept, lambda tmp: tmp.write_bytes(path.read_bytes()))
     print(f"stepfast: {path} is replaced by this run's settings; the file there before is kept as {kept}",
           file=sys.stderr)  # fmt: skip
@@ -103,10 +103,8 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     later += [p for p in out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
     moved = {}
     for path in sorted(p for p in later if p.is_file()):
-        kept, n = path.with_name(f"{path.stem}-before-{start}{path.suffix}"), 1
-        while kept.exists():
-            n += 1
-            kept = path.with_name(f"{path.stem}-before-{start}-{n}{path.suffix}")
+        kept = _first_free(path.with_name(f"{path.stem}-before-{start}{'' if n == 1 else f'-{n}'}{path.suffix}")
+                           for n in itertools.count(1))  # fmt: skip
         os.replace(path, kept)
         moved[path] = kept
     summary = moved.pop(report / "summary.md", None)
@@ -119,3 +117,8 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     if moved:
         print(f"stepfast: the evaluations of weights past iteration {start - 1} that {out} held are kept as "
               f"{', '.join(str(kept.relative_to(out)) for kept in moved.values())}: this run draws its own")
+
+
+def _first_free(names: Iterable[Path]) -> Path:
+    """The first of `names` that nothing is at: where a file is kept without replacing one kept before."""
+    return next(path for path in names if not path.exists())
