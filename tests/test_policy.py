@@ -222,6 +222,7 @@ def test_a_prompt_a_group_shares_is_encoded_once(tmp_path, monkeypatch):
         cond = encode_prompts(pipe, prompts, cfg_scale, torch.device("cpu"))
         assert asked == [[texts[0]], [texts[1]]] + ([[""]] if cfg_scale > 1 else [])
         assert (cond.neg_embeds is None) == (cfg_scale == 1)
+        assert all(rows is None or rows.shape[0] == len(prompts) for rows in cond.tensors().values())
         for i, text in enumerate(prompts):  # diffusers' own encoding of the prompt alone
             embeds, neg, pooled, neg_pooled = encode(
                 prompt=[text], prompt_2=None, prompt_3=None, device="cpu", do_classifier_free_guidance=cfg_scale > 1,
