@@ -1068,6 +1068,23 @@ def test_a_reward_server_is_checked_by_every_rank_and_stops_them_all(model_dir, 
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
+def test_a_reward_server_too_small_for_the_rollouts_images_is_refused_at_start(model_dir, tmp_path):
+    """The server check is given the rollout's resolution: a server whose pixel limit a single image
+    of that side is over is named at start, not after the first rollout."""
+    from loopback import LoopbackServer
+
+    health = json.dumps({"rewards": ["shapes"], "max_request_pixels": 1000}).encode()
+    with LoopbackServer(lambda path, body: None, get=lambda path, headers: (200, health)) as server:
+        cfg = base_config(model_dir, tmp_path / "run", rollout={"resolution": 32}, reward={
+            "weights": {"remote": 1.0}, "options": {"remote": {"url": server.url, "rewards": ["shapes"], "retries": 0}}})
+        proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert (f"reward.options.remote: reward server {server.url} takes at most 1000 pixels a request (its "
+            "--max-request-mpixels), fewer than one 32x32 image: raise the server's limit") in proc.stderr, proc.stderr[-2000:]
+    assert [path for path, _, _ in server.requests] == ["/check"]  # the prompts were checked, nothing scored
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_changed_settings_are_compared_with_those_the_checkpoints_iterations_ran_with(tmp_path, capsys):
     """runfolder.keep_changed_settings in-process: a second resume from the same checkpoint compares
     with (and keeps) the settings iterations 1-4 ran with, not those of the attempt between; a
