@@ -1,5 +1,7 @@
-# Two commands: `make test` and `make train`. Both create .venv when it is missing.
-# On a machine without a GPU, install the CPU build of torch: make test TORCH=torch==2.13.0
+# `make test` and `make train` (and `make bench`, `make clean`). Each creates .venv when it is missing.
+# On a machine without a GPU, install the CPU build of torch:
+#   make test TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (CI leaves out TORCH_INDEX: its pip finds the CPU wheel locally; PyPI's torch is a CUDA build.)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch

@@ -564,7 +564,7 @@ def test_the_readme_key_table_gives_the_code_defaults():
         if not default_cell:  # a group of keys (credit_opts.*), described, not given
             continue
         keys = [k.strip().strip("`") for k in keys_cell.split(",")]
-        values = [v.strip().strip("`") for v in default_cell.split(", ")]
+        values = [v.strip().strip("`") for v in re.split(r", (?![^\[]*\])", default_cell)]  # not inside [...]
         assert len(keys) == len(values), row
         for key, shown in zip(keys, values):
             actual = _get_dotted(defaults, key)
