@@ -203,12 +203,14 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     FileNotFoundError when `path` does not exist, ValueError naming it when it is not such weights
     (see `lora_weights_file`, which checks that without a pipeline) or they do not fit `pipe`."""
     file = lora_weights_file(path)
-    if file.suffix == ".safetensors" and not holds_adapter_config(file):
+    if not holds_adapter_config(file):
+        where = "in its metadata" if file.suffix == ".safetensors" else "a pickled state dict has no metadata for it"
         warnings.warn(
-            f"{file} holds no adapter config (lora_alpha, in its metadata): diffusers loads it with lora_alpha = "
+            f"{file} holds no adapter config (lora_alpha, {where}): diffusers loads it with lora_alpha = "
             "its rank, which is not the trained scale when alpha was another (stepfast's checkpoints before it "
             "saved the config: alpha = 2 x rank, loaded at half the scale)", stacklevel=2,
         )  # fmt: skip
+    names = _tensor_names(file)  # the tensors the check after loading expects placed
     # diffusers says, for each text encoder and the transformer, that the file holds no LoRA of it: a
     # transformer's adapter (stepfast's) never holds one of the text encoders, and a file whose
     # tensors reach no module is named below (_check_attached), the notice aside
@@ -230,7 +232,7 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
     finally:
         for log in logs:
             log.removeFilter(quiet)
-    _check_attached(file, _lora_tensors(pipe) - attached, type(pipe).__name__)
+    _check_attached(file, names, _lora_tensors(pipe) - attached, type(pipe).__name__)
     return pipe
 
 
@@ -245,17 +247,20 @@ def _lora_tensors(pipe) -> int:
                for m in modules if isinstance(m, torch.nn.Module))  # fmt: skip
 
 
-def _check_attached(file: Path, attached: int, pipeline: str) -> None:
-    """A ValueError when the LoRA tensors of `file` did not all reach a module: diffusers drops the
-    keys it cannot place (another format, another model's modules) with at most a notice, and the
-    pipeline would then sample as the base model does, or with part of the adapter."""
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names of a LoRA file: a .safetensors file's header, or a .bin state dict's keys."""
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt") as handle:
-            names = list(handle.keys())
-    else:  # a .bin state dict, which diffusers has just read the same way
-        names = list(torch.load(file, map_location="cpu", weights_only=True))
+            return list(handle.keys())
+    return list(torch.load(file, map_location="cpu", weights_only=True))
+
+
+def _check_attached(file: Path, names: list[str], attached: int, pipeline: str) -> None:
+    """A ValueError when the LoRA tensors of `file` (named `names`) did not all reach a module:
+    diffusers drops the keys it cannot place (another format, another model's modules) with at most
+    a notice, and the pipeline would then sample as the base model does, or with part of the adapter."""
     keys = [k for k in names if "lora" in k and not k.endswith(".alpha")]  # kohya's alphas: scales
     if attached >= len(keys):
         return
@@ -277,8 +282,11 @@ class _NoLoraKeys(logging.Filter):
 
 
 def holds_adapter_config(file: Path) -> bool:
-    """Whether a .safetensors LoRA file carries its adapter's config in its metadata (diffusers'
-    `lora_adapter_metadata`, written by save_lora_weights(..., transformer_lora_adapter_metadata=))."""
+    """Whether a LoRA file carries its adapter's config: a .safetensors file in its metadata (diffusers'
+    `lora_adapter_metadata`, written by save_lora_weights(..., transformer_lora_adapter_metadata=));
+    a pickled .bin state dict never does."""
+    if file.suffix != ".safetensors":
+        return False
     from safetensors import safe_open
 
     try:
