@@ -63,6 +63,26 @@ def test_score_joins_what_the_reader_finds():
     assert modes == [True]  # the reader runs in inference mode, as every model reward's does
 
 
+def test_the_readers_nets_are_not_spread_over_every_gpu(monkeypatch, tmp_path):
+    """EasyOCR wraps its nets in DataParallel on a GPU (over every visible one, which fails unless
+    they sit on the first): each rank's reward uses them unwrapped, on the device it was given."""
+    import sys
+    import types
+
+    made = {}
+
+    class Reader:  # EasyOCR's Reader as far as the reward uses it: the nets it builds for a GPU
+        def __init__(self, languages, gpu, **options):
+            made.update(languages=languages, gpu=gpu, options=options)
+            self.detector = torch.nn.DataParallel(torch.nn.Conv2d(3, 2, 1))
+            self.recognizer = torch.nn.DataParallel(torch.nn.Linear(4, 2))
+
+    monkeypatch.setitem(sys.modules, "easyocr", types.SimpleNamespace(Reader=Reader))
+    reward = OcrReward(device="cuda:1", model_dir=str(tmp_path))
+    assert made["gpu"] == "cuda:1" and made["options"]["model_storage_directory"] == str(tmp_path)
+    assert type(reward.reader.detector) is torch.nn.Conv2d and type(reward.reader.recognizer) is torch.nn.Linear
+
+
 def render_text(text: str, size=(320, 72)) -> np.ndarray:
     from PIL import Image, ImageDraw, ImageFont
 

@@ -87,6 +87,13 @@ class OcrReward:
             list(languages), gpu=gpu, model_storage_directory=model_dir, download_enabled=False,
             verbose=False,
         )
+        # On a GPU EasyOCR wraps its detector and recogniser in DataParallel over every visible GPU,
+        # which runs only when the nets sit on the first of them: under the DeepSpeed launcher each
+        # rank sees them all and scores on its own GPU, so the nets are used as they are.
+        for name in ("detector", "recognizer"):
+            net = getattr(self.reader, name, None)
+            if isinstance(net, torch.nn.DataParallel):
+                setattr(self.reader, name, net.module)
 
     def read(self, images) -> list[str]:
         """All text EasyOCR finds in each image, joined in reading order."""
