@@ -45,8 +45,15 @@ class _CapturedForward:
         # thread_local: only this thread's capture-unsafe calls are errors. The reward may be scoring
         # the final images on the GPU in its own thread meanwhile (reward.async_scoring), which the
         # default "global" mode would turn into a failed capture or an error in the reward
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = velocity(self.x, self.t)
+        previous = torch.cuda.current_stream(x.device)
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = velocity(self.x, self.t)
+        except BaseException:
+            # a failed capture raises from the graph context's exit before it gives back the stream it
+            # captured on: without this, the run would go on, eagerly, on that side stream
+            torch.cuda.set_stream(previous)
+            raise
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)

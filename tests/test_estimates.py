@@ -5,6 +5,8 @@ Tests whose name contains "cuda" need a GPU (benchmarks/gpu_check.sh runs them) 
 
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
 
 import pytest
@@ -140,11 +142,50 @@ def test_cuda_graph_engine_falls_back_once_and_says_why():
         engine(states, t, 3)
     assert sum("capture" in str(w.message) for w in caught) == 1
     assert engine.fallback_reason
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the failed capture's stream
     with torch.no_grad():
         expected = estimate_clean_images(velocity, states, t, 3)
     assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="capture"):
         EstimateEngine(Syncing().cuda(), use_cuda_graph=True)(states, t, 3)
+
+
+def test_a_failed_capture_gives_back_the_stream_it_captured_on(monkeypatch):
+    """torch's graph context makes its capture stream current on entry and, when the capture fails,
+    raises from its exit before restoring the stream before it: the engine restores it, so that the
+    eager fallback runs on the stream the run was using (checked here with torch.cuda's stream and
+    graph calls stood in for, as torch's context does them; on a GPU by the CUDA fallback test)."""
+    from stepfast import estimates
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            pass
+
+    default = Stream("default")
+    current = [default]
+
+    class Graph:  # torch.cuda.graph as far as streams go: switch on entry, fail on exit without switching back
+        def __init__(self, graph, **options):
+            pass
+
+        def __enter__(self):
+            current[0] = Stream("capture")
+
+        def __exit__(self, *exc):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    fake = types.SimpleNamespace(
+        Stream=lambda device=None: Stream("side"), stream=lambda stream: contextlib.nullcontext(),
+        current_stream=lambda device=None: current[0], set_stream=lambda stream: current.__setitem__(0, stream),
+        CUDAGraph=lambda: None, graph=Graph)  # fmt: skip
+    velocity, (states, t) = TinyVelocity(), states_and_times()
+    monkeypatch.setattr(estimates.torch, "cuda", fake)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        estimates._CapturedForward(velocity, states, t, warmup=0)
+    assert current == [default]
 
 
 @needs_cuda
