@@ -238,10 +238,15 @@ def takes_option(name: str, option: str) -> bool:
 def with_device(name: str, options: dict | None, device) -> dict:
     """`options` for reward `name`, with device=`device` added when its class or factory takes a
     device and the options do not set one: a model reward then runs where the policy runs (each
-    rank's own GPU) instead of its default, the CPU."""
+    rank's own GPU) instead of its default, the CPU. A device of "cuda" without an index is this
+    rank's GPU too: in the reward's scoring thread, which has no current device of its own, a bare
+    "cuda" would be the first GPU, another rank's."""
     options = expand_home(name, options)
-    if "device" not in options and takes_option(name, "device"):
-        options["device"] = str(device)
+    if takes_option(name, "device"):
+        if "device" not in options:
+            options["device"] = str(device)
+        elif str(options["device"]) == "cuda" and torch.device(device).type == "cuda":
+            options["device"] = str(device)
     return options
 
 

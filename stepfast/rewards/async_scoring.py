@@ -24,7 +24,13 @@ class AsyncScorer:
         if not hasattr(reward, "score"):
             raise TypeError(f"AsyncScorer needs a reward with score(), got {type(reward).__name__}")
         self.reward = reward
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer")
+        # CUDA's current device is the thread's own, and a new thread's is the first GPU: the worker
+        # takes its creator's, so that a reward that puts tensors on "cuda" puts them on this rank's GPU
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="reward-scorer",
+            initializer=None if device is None else torch.cuda.set_device, initargs=() if device is None else (device,),
+        )  # fmt: skip
 
     def submit(self, images, prompts, metadata=None) -> Future:
         """Queue a batch; the Future's result() is reward.score(images, prompts, metadata)."""
