@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .coefficients import CA, CB, GKL, GLP, KL_SCALE, NUM_COEFS, SECOND_DERIVATIVE
-from .sde_step import BLOCK, LAUNCH, _add, _token_tile, finish_log_prob, launcher, tile_config
+from .sde_step import BLOCK, LAUNCH, _add, _token_tile, finish_log_prob, launcher, on_device, tile_config
 
 _CA = tl.constexpr(CA)
 _CB = tl.constexpr(CB)
@@ -156,10 +156,11 @@ def sde_logprob_fwd(
     partial = alloc((b, n_prog), dtype=torch.float32, device=x_t.device)
     partial_kl = alloc((b, grid[0] if has_kl else 0), dtype=torch.float32, device=x_t.device)
     if b and n:
-        launcher(_sde_logprob_fwd_kernel, x_t.device)[grid](
-            x_t, v, sample, v_ref if has_kl else x_t, coef, partial, partial_kl,
-            n, n_prog, partial_kl.shape[1], **cfg, HAS_KL=has_kl, **LAUNCH,
-        )  # fmt: skip
+        with on_device(x_t.device):
+            launcher(_sde_logprob_fwd_kernel, x_t.device)[grid](
+                x_t, v, sample, v_ref if has_kl else x_t, coef, partial, partial_kl,
+                n, n_prog, partial_kl.shape[1], **cfg, HAS_KL=has_kl, **LAUNCH,
+            )  # fmt: skip
     log_prob = finish_log_prob(partial, coef, patch_size)
     kl = partial_kl.sum(dim=1) * coef[:, KL_SCALE] if has_kl else None
     return log_prob, kl
@@ -188,11 +189,12 @@ def sde_logprob_bwd(
         h, w = (x_t.shape[2], x_t.shape[3]) if patch_size else (1, 1)
         glp = grad_log_prob.float().contiguous() if has_lp else coef
         gkl = grad_kl.float().contiguous() if has_kl else coef
-        launcher(_sde_logprob_bwd_kernel, x_t.device)[(triton.cdiv(n, BLOCK), b)](
-            x_t, v, sample, v_ref if has_kl else v, coef, glp, gkl, gv, gvr if vr_grad else gv,
-            n, h, w, HAS_LP=has_lp, HAS_KL=has_kl, VR_GRAD=vr_grad, TOKENS=bool(patch_size),
-            P=patch_size or 1, BLOCK=BLOCK, **LAUNCH,
-        )  # fmt: skip
+        with on_device(x_t.device):
+            launcher(_sde_logprob_bwd_kernel, x_t.device)[(triton.cdiv(n, BLOCK), b)](
+                x_t, v, sample, v_ref if has_kl else v, coef, glp, gkl, gv, gvr if vr_grad else gv,
+                n, h, w, HAS_LP=has_lp, HAS_KL=has_kl, VR_GRAD=vr_grad, TOKENS=bool(patch_size),
+                P=patch_size or 1, BLOCK=BLOCK, **LAUNCH,
+            )  # fmt: skip
     else:
         gv.zero_()
         if vr_grad:

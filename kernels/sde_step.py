@@ -14,6 +14,7 @@ On a CPU tensor the kernel runs in the Triton interpreter (see `launcher`), what
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -171,6 +172,13 @@ def launcher(kernel, device: torch.device):
     return kernel
 
 
+def on_device(device: torch.device):
+    """The context a launch runs in: Triton launches on the current CUDA device and its stream, not
+    on the device of the tensors it is given, so a launch on another GPU's tensors than the current
+    one makes that GPU current for it (nothing to do on the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def sde_step_fwd(
     x_t: torch.Tensor, v: torch.Tensor, noise: torch.Tensor, coef: torch.Tensor, patch_size: int | None, with_logprob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,9 +193,10 @@ def sde_step_fwd(
     if b and n:
         grid = cfg.pop("grid")
         n_prog = cfg.pop("n_prog")
-        launcher(_sde_step_fwd_kernel, x_t.device)[grid](
-            x_t, v, noise, coef, sample, partial, n, n_prog, **cfg, **LAUNCH
-        )
+        with on_device(x_t.device):
+            launcher(_sde_step_fwd_kernel, x_t.device)[grid](
+                x_t, v, noise, coef, sample, partial, n, n_prog, **cfg, **LAUNCH
+            )
     if not with_logprob:
         shape = (b, partial.shape[1]) if patch_size else (b,)
         return sample, torch.zeros(shape, dtype=torch.float32, device=x_t.device)

@@ -15,6 +15,7 @@ compiler still builds every kernel launch for sm_80 and sm_90 (`test_triton_kern
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -887,6 +888,48 @@ def test_triton_kernels_compile_for_nvidia_gpus(monkeypatch, case):
             compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32),
                                       options=options)  # fmt: skip
             assert compiled.asm["cubin"], f"{kernel.fn.__name__} gave no cubin for sm_{arch}"
+
+
+def test_every_triton_launch_runs_with_its_tensors_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device and stream, not on the device of the tensors it is
+    given: each host wrapper makes the tensors' device current around its launch (on the CPU, where
+    the interpreter runs, nothing), so that the kernels work on any GPU's tensors when imported
+    elsewhere."""
+    import importlib
+
+    from stepfast.kernels.sde_step import on_device
+
+    current, launched = [None], []
+
+    @contextlib.contextmanager
+    def recording(device):
+        current[0] = device
+        try:
+            yield
+        finally:
+            current[0] = None
+
+    class Recorder:
+        def __init__(self, kernel, device):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.kernel.fn.__name__, current[0]))
+
+    for module in ("sde_step", "sde_logprob"):
+        monkeypatch.setattr(importlib.import_module(f"stepfast.kernels.{module}"), "launcher", Recorder)
+        monkeypatch.setattr(importlib.import_module(f"stepfast.kernels.{module}"), "on_device", recording)
+    inp = make_inputs("ddim", "mean_prime")
+    kw = {"reduce": inp["reduce"], "patch_size": inp["patch_size"], "backend": "triton"}
+    sample, _ = sde_step_with_logprob("ddim", inp["x_t"], inp["v"], inp["t"], inp["s"], inp["noise"], **kw)
+    v, v_ref = inp["v"].clone().requires_grad_(), inp["v_ref"].clone().requires_grad_()
+    lp, kl = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], sample, v_ref, **kw)
+    (lp.sum() + kl.sum()).backward()
+    assert sorted(launched) == [(name, inp["x_t"].device) for name in
+                                ("_sde_logprob_bwd_kernel", "_sde_logprob_fwd_kernel", "_sde_step_fwd_kernel")]
+    gpu = on_device(torch.device("cuda", 1))  # made without touching CUDA; entered, it makes GPU 1 current
+    assert isinstance(gpu, torch.cuda.device) and gpu.idx == 1
+    assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
