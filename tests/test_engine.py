@@ -85,8 +85,10 @@ def first_line_with(marker: str, extensions: Path, out: Path, linger: float = 0.
     """The first stderr line holding `marker` of a one-rank trainer start with torch's extensions under
     `extensions`, which is killed `linger` seconds after (or after 240 s): a build of DeepSpeed's op is
     not waited for. `seen` collects every line read."""
+    # DeepSpeed's CPU all-reduce op is a CPU run's: on the CPU on any machine
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "stepfast" / "train.py"), f"output_dir={out}", "iterations=1"]
     # its own session, so that the compilers of a build it starts (ninja gives each command a process
     # group of its own) are killed with it

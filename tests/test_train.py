@@ -34,10 +34,15 @@ TRAIN = ROOT / "stepfast" / "train.py"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
 
-def env():
+def env(cuda: bool = False):
+    """The trainer's environment: on the CPU unless `cuda` (a CUDA test), on a GPU machine too. The
+    suite's runs are CPU runs, gloo ranks whose results are compared to the bit; `deepspeed --num_gpus
+    2` would otherwise put rank 1 on a second GPU, which a one-GPU machine lacks."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), e.get("PYTHONPATH", "")])
     e["OMP_NUM_THREADS"] = "1"
+    if not cuda:
+        e.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     for quiet in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # some tests count the bars drawn
         e.pop(quiet, None)
     return e
@@ -65,13 +70,13 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 def train(config: Path, *overrides, ranks: int = 1, timeout: int = 600, check: bool = True, extra_env=None,
-          port: int | None = None):
+          port: int | None = None, cuda: bool = False):
     if ranks == 1:
         cmd = [sys.executable, str(TRAIN), "--config", str(config), *overrides]
     else:
         cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(port or free_port()), str(TRAIN),
                "--config", str(config), *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(cuda), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -430,7 +435,7 @@ def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_p
         extra["model"] = {"dtype": "bf16", "gradient_checkpointing": True}
         extra["optim"]["precision"] = "bf16"
     config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, out, **extra))
-    run = train(config)
+    run = train(config, cuda=True)
     estimates = "in a CUDA graph" if stage < 3 else "eager"
     assert f"1 rank on cuda, SDE kernels triton, estimates {estimates}, ZeRO-{stage}" in run.stdout, run.stdout[-2000:]
     assert "CUDA graph capture of the velocity failed" not in run.stderr, run.stderr[-3000:]
@@ -444,8 +449,7 @@ def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_p
     assert (out / "checkpoints" / "checkpoint-000003" / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
     if (precision, stage) == ("fp32", 2):
         cpu_out = tmp_path / "cpu"
-        proc = train(config, f"output_dir={cpu_out}", "iterations=1", "eval.before_after=false",
-                     extra_env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+        proc = train(config, f"output_dir={cpu_out}", "iterations=1", "eval.before_after=false")
         assert "1 rank on cpu" in proc.stdout
         cpu = metrics(cpu_out)[0]
         print(f"fp32 iteration 1, cuda - cpu: reward {rows[0]['reward'] - cpu['reward']:.2e}, "
