@@ -117,7 +117,7 @@ class Trainer:
         # The held-out prompts and their reward, read once and at start: a bad eval prompt file is
         # an error before training, not at the first evaluation.
         self.eval_setup = self._eval_setup(prompts.eval) if cfg.eval.enabled else None
-        self.scorer = AsyncScorer(self.reward) if cfg.reward.async_scoring else InlineScorer(self.reward)
+        self.scorer = AsyncScorer(self.reward, device) if cfg.reward.async_scoring else InlineScorer(self.reward)
         self.pipe = load_policy_pipeline(cfg.model, device)
         check_resolution(self.pipe, cfg.rollout.resolution, "rollout.resolution")  # before anything is written
         if self.main:  # said once; diffusers' notice at every encoding of them is dropped on every rank

@@ -284,35 +284,37 @@ def test_model_rewards_run_on_the_policys_device_unless_told_otherwise():
     assert rewards.with_device("pickscore", {"path": "/m"}, torch.device("cuda", 3)) == expected
     assert rewards.with_device("ocr", None, "cuda:0") == {"device": "cuda:0"}
     assert rewards.with_device("pickscore", {"device": "cpu"}, "cuda:1") == {"device": "cpu"}  # as set
-    # "cuda" alone is this rank's GPU, not the first one (the scoring thread's current device)
+    # "cuda" alone is this rank's GPU, not whichever a thread has current
     assert rewards.with_device("pickscore", {"device": "cuda"}, "cuda:1") == {"device": "cuda:1"}
     assert rewards.with_device("pickscore", {"device": "cuda:0"}, "cuda:1") == {"device": "cuda:0"}  # as set
     assert rewards.with_device("pickscore", {"device": "cuda"}, "cpu") == {"device": "cuda"}  # as set
+    assert rewards.with_device("shapes", None, "cuda:0") == {}  # takes no device
+    assert rewards.with_device(f"{__name__}:darkness", None, "cuda:0") == {}  # a scoring function
+    assert rewards.with_device("no_such_reward", {"a": 1}, "cuda:0") == {"a": 1}  # load names the problem
 
 
-def test_the_scoring_thread_works_on_its_creators_gpu(monkeypatch):
+def test_the_scoring_thread_works_on_the_ranks_gpu(monkeypatch):
     """CUDA's current device is per thread and a new thread's is the first GPU: AsyncScorer's worker
-    is set to the device current where it was made (each rank's own), before it scores anything."""
+    is set to the device it is given (the rank's) before it scores anything; on the CPU, left alone."""
     import threading
 
     from stepfast.rewards.async_scoring import AsyncScorer
 
     set_in = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: set_in.append((threading.current_thread().name, device)))
 
     class Reward:
         def score(self, images, prompts, metadata=None):
             return {"score": torch.zeros(len(prompts)), "thread": threading.current_thread().name}
 
-    with AsyncScorer(Reward()) as scorer:
-        thread = scorer.submit(np.zeros((2, 4, 4, 3), np.uint8), ["a", "b"]).result()["thread"]
-    assert set_in == [(thread, 3)] and thread != threading.current_thread().name
-    assert rewards.with_device("shapes", None, "cuda:0") == {}  # takes no device
-    assert rewards.with_device(f"{__name__}:darkness", None, "cuda:0") == {}  # a scoring function
-    assert rewards.with_device("no_such_reward", {"a": 1}, "cuda:0") == {"a": 1}  # load names the problem
+    images = np.zeros((2, 4, 4, 3), np.uint8)
+    with AsyncScorer(Reward(), device=torch.device("cuda", 3)) as scorer:
+        thread = scorer.submit(images, ["a", "b"]).result()["thread"]
+    assert set_in == [(thread, torch.device("cuda", 3))] and thread != threading.current_thread().name
+    for device in (torch.device("cpu"), None):
+        with AsyncScorer(Reward(), device=device) as scorer:
+            scorer.submit(images, ["a", "b"]).result()
+    assert len(set_in) == 1
 
 
 def test_the_columns_whose_mean_is_logged():

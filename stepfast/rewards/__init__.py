@@ -238,9 +238,9 @@ def takes_option(name: str, option: str) -> bool:
 def with_device(name: str, options: dict | None, device) -> dict:
     """`options` for reward `name`, with device=`device` added when its class or factory takes a
     device and the options do not set one: a model reward then runs where the policy runs (each
-    rank's own GPU) instead of its default, the CPU. A device of "cuda" without an index is this
-    rank's GPU too: in the reward's scoring thread, which has no current device of its own, a bare
-    "cuda" would be the first GPU, another rank's."""
+    rank's own GPU) instead of its default, the CPU. A device of "cuda" without an index is made this
+    rank's GPU, so that the reward does not depend on which device the thread that builds or runs it
+    has current (a new thread's is the first GPU, another rank's)."""
     options = expand_home(name, options)
     if takes_option(name, "device"):
         if "device" not in options:

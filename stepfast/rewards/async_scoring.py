@@ -20,16 +20,16 @@ import torch
 
 
 class AsyncScorer:
-    def __init__(self, reward):
+    def __init__(self, reward, device=None):
         if not hasattr(reward, "score"):
             raise TypeError(f"AsyncScorer needs a reward with score(), got {type(reward).__name__}")
         self.reward = reward
-        # CUDA's current device is the thread's own, and a new thread's is the first GPU: the worker
-        # takes its creator's, so that a reward that puts tensors on "cuda" puts them on this rank's GPU
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        # CUDA's current device is the thread's own, and a new thread's is the first GPU: the worker is
+        # set to `device` (the rank's), so that a reward that puts tensors on "cuda" puts them there
+        on_gpu = device is not None and torch.device(device).type == "cuda"
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="reward-scorer",
-            initializer=None if device is None else torch.cuda.set_device, initargs=() if device is None else (device,),
+            initializer=torch.cuda.set_device if on_gpu else None, initargs=(torch.device(device),) if on_gpu else (),
         )  # fmt: skip
 
     def submit(self, images, prompts, metadata=None) -> Future:
