@@ -45,7 +45,7 @@ class _CapturedForward:
         # thread_local: only this thread's capture-unsafe calls are errors. The reward may be scoring
         # the final images on the GPU in its own thread meanwhile (reward.async_scoring), which the
         # default "global" mode would turn into a failed capture or an error in the reward
-        previous = torch.cuda.current_stream(x.device)
+        previous = torch.cuda.current_stream()  # what the graph context makes way for: the current device's
         try:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.out = velocity(self.x, self.t)
