@@ -389,6 +389,10 @@ def test_lora_keys_that_reach_no_module_are_an_error_not_the_base_model(tiny, tm
     torch.save(weights, tmp_path / "lora.bin")
     with pytest.warns(UserWarning, match=re.escape(unpickled)):
         load_lora(load_pipeline(path), tmp_path / "lora.bin")
+    (tmp_path / "bad.bin").write_bytes((tmp_path / "lora.bin").read_bytes()[:100])  # cut short
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=rf"cannot load LoRA weights {tmp_path}/bad.bin: "
+                                                                     "not a readable state dict"):  # fmt: skip
+        load_lora(load_pipeline(path), tmp_path / "bad.bin")
 
 
 def test_the_command_says_a_lora_lacks_its_adapter_config_in_one_line(tiny, tmp_path):

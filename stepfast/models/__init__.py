@@ -254,7 +254,11 @@ def _tensor_names(file: Path) -> list[str]:
 
         with safe_open(str(file), framework="pt") as handle:
             return list(handle.keys())
-    return list(torch.load(file, map_location="cpu", weights_only=True))
+    try:
+        return list(torch.load(file, map_location="cpu", weights_only=True))
+    except Exception as exc:  # noqa: BLE001 (a truncated or foreign pickle: any of pickle's and torch's errors)
+        raise ValueError(f"cannot load LoRA weights {file}: not a readable state dict ({type(exc).__name__}: "
+                         f"{exc})") from exc  # fmt: skip
 
 
 def _check_attached(file: Path, names: list[str], attached: int, pipeline: str) -> None:
