@@ -123,6 +123,13 @@ class Placement(NamedTuple):
     device: torch.device
 
 
+def runs_on_cuda() -> bool:
+    """Whether this process trains on a GPU: torch sees one, and DS_ACCELERATOR does not name the CPU.
+    `DS_ACCELERATOR=cpu` makes DeepSpeed's accelerator the CPU's, and the run follows it (gloo ranks on
+    a GPU machine, as the test suite's are): DeepSpeed's launcher still shows each rank the GPUs."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "").strip().lower() != "cpu"
+
+
 def init_distributed() -> Placement:
     """Join (or create) the process group; returns this process's placement."""
     import deepspeed
@@ -148,7 +155,7 @@ def init_distributed() -> Placement:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cuda = torch.cuda.is_available()
+    cuda = runs_on_cuda()
     if cuda:  # before the process group forms, so that NCCL's first collective uses this rank's GPU
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, shm_op_built, stale_build_locks
+from stepfast.engine import SHM_OP, STALE_LOCK_SECONDS, runs_on_cuda, shm_op_built, stale_build_locks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,10 +134,24 @@ def test_the_trainer_says_a_build_of_deepspeeds_op_is_coming(tmp_path):
     assert "DeepSpeed builds its CPU all-reduce op" in line and "about a minute, once" in line
 
 
+@pytest.mark.parametrize("gpu, accelerator, expected", [
+    (True, None, True), (True, "cuda", True), (True, "cpu", False), (True, " CPU ", False), (False, None, False),
+    (False, "cuda", False),
+])  # fmt: skip
+def test_ds_accelerator_cpu_keeps_a_run_on_the_cpu_of_a_gpu_machine(monkeypatch, gpu, accelerator, expected):
+    """DeepSpeed's launcher shows each rank the GPUs even with DS_ACCELERATOR=cpu: the run follows
+    the accelerator asked for, not torch's view of the machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    if accelerator is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", accelerator)
+    assert runs_on_cuda() is expected
+
+
 def test_ema_weights_apply_and_come_back_exactly_in_a_bf16_module():
     """Evaluation computes with the EMA, then the model gets its own weights back bit for bit; the
     shadow keeps its fp32 values, which a bf16 model cannot hold (it must not come back rounded)."""
-    import torch
 
     from stepfast.ema import EMA
 
@@ -167,7 +182,6 @@ def test_ema_update_is_the_exponential_average_and_its_state_round_trips():
     """shadow <- decay shadow + (1 - decay) weight, in fp32, for the trainable weights only; state_dict
     and load_state_dict carry it to a fresh EMA (a resumed run), and a state for another model is
     refused by name."""
-    import torch
 
     from stepfast.ema import EMA
 
@@ -207,7 +221,6 @@ def test_warmup_counts_iterations_whatever_the_optimizer_steps_per_iteration():
 
 
 def test_the_engine_schedule_warms_up_over_iterations_of_the_runs_optimizer_steps():
-    import torch
 
     from stepfast.config import load_config
     from stepfast.engine import warmup_scheduler
