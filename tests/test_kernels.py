@@ -892,9 +892,9 @@ def test_triton_kernels_compile_for_nvidia_gpus(monkeypatch, case):
 
 def test_every_triton_launch_runs_with_its_tensors_gpu_current(monkeypatch):
     """Triton launches on the current CUDA device and stream, not on the device of the tensors it is
-    given: each host wrapper makes the tensors' device current around its launch (on the CPU, where
-    the interpreter runs, nothing), so that the kernels work on any GPU's tensors when imported
-    elsewhere."""
+    given: each host wrapper launches inside `on_device` of its input's device, checked here for every
+    launch (on CPU tensors, whose device it records: which GPU it makes current needs two GPUs to see),
+    and `on_device` of a GPU is that GPU's `torch.cuda.device`."""
     import importlib
 
     from stepfast.kernels.sde_step import on_device
