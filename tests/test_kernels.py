@@ -673,9 +673,10 @@ def test_package_names_are_the_ops_after_every_backend_ran():
 
 
 def test_top_level_kernels_import_registers_nothing():
-    """From the repository root, `import kernels` finds this folder (transformers does it to probe for
-    the Hugging Face kernels package): that must not register the torch.library ops a second time, and
-    must not look like the Hugging Face package."""
+    """From the repository root, `import kernels` finds this folder first (transformers imports the
+    Hugging Face kernels package by that name): that must not register the torch.library ops a second
+    time, and must give transformers the Hugging Face package where it is installed (transformers 5
+    requires it: its activations module imports names from it) and no look-alike where it is not."""
     import subprocess
     import sys
     from pathlib import Path
@@ -693,13 +694,41 @@ def test_top_level_kernels_import_registers_nothing():
         "        pass\n"
         "    else:\n"
         "        raise AssertionError(name)\n"
-        "import transformers.utils.import_utils as u\n"
-        "assert not u.is_kernels_available()\n"
+        "import importlib.metadata, transformers.activations, transformers.utils.import_utils as u\n"
+        "installed = bool(importlib.metadata.distributions(name='kernels'))\n"
+        "assert u.is_kernels_available() == installed, installed\n"
         "print('ok')"
     )
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _import_kernels_from_the_root(*path: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """What `import kernels` gives with the repository root first on sys.path, then `path`: its
+    file (or "empty") and its MARK."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = {[str(root), *path]!r}; import kernels; "
+            "print(kernels.__file__ if kernels.__path__ else 'empty'); print(getattr(kernels, 'MARK', '-'))")  # fmt: skip
+    out = subprocess.run([sys.executable, *flags, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()
+
+
+def test_the_kernels_folder_stands_aside_for_another_package_named_kernels(tmp_path):
+    """Under the name `kernels` the folder loads the package of that name from the rest of sys.path
+    in its place (before, transformers' import of the Hugging Face one failed from the repository
+    root: "cannot import name 'CUDAProperties' from 'kernels'", and no pipeline loaded there)."""
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text("MARK = 'the other package'\n")
+    assert _import_kernels_from_the_root(str(tmp_path)) == [str(other / "__init__.py"), "the other package"]
+    # no other package named kernels (-S: no site-packages): the folder's empty package
+    assert _import_kernels_from_the_root(flags=("-S",)) == ["empty", "-"]
 
 
 def test_import_needs_no_gpu():

@@ -68,31 +68,3 @@ def test_the_gpu_check_refuses_arguments_it_would_ignore():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("gpu_check: takes no arguments (got: -k kernels); it runs every CUDA check")
 
-
-def _import_kernels_from_the_root(*path: str, flags: tuple[str, ...] = ()) -> str:
-    """What `import kernels` gives with the repository root first on sys.path, then `path`."""
-    code = (f"import sys; sys.path[:0] = {[str(ROOT), *path]!r}; import kernels; "
-            "print(kernels.__file__ if kernels.__path__ else 'empty'); print(getattr(kernels, 'MARK', '-'))")  # fmt: skip
-    proc = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
-
-
-def test_the_kernels_folder_stands_aside_for_another_package_named_kernels(tmp_path):
-    """transformers imports the Hugging Face `kernels` package by that name where it is installed;
-    from the repository root the kernels/ folder was found first and the import failed
-    ("cannot import name 'CUDAProperties' from 'kernels'"), so no pipeline loaded there."""
-    other = tmp_path / "kernels"
-    other.mkdir()
-    (other / "__init__.py").write_text("MARK = 'the other package'\n")
-    assert _import_kernels_from_the_root(str(tmp_path)).splitlines() == [str(other / "__init__.py"), "the other package"]
-    # no other package named kernels (-S: no site-packages): the folder's empty package, which registers nothing
-    assert _import_kernels_from_the_root(flags=("-S",)).splitlines() == ["empty", "-"]
-
-
-def test_transformers_and_stepfast_kernels_import_from_the_repository_root():
-    code = ("import transformers.activations, kernels, stepfast.kernels as k; "
-            "print(k.select_backend.__module__, kernels.__name__)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["stepfast.kernels.dispatch", "kernels"]
