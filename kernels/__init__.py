@@ -23,14 +23,14 @@ if __name__ != "stepfast.kernels":
     import sys as _sys
 
     __path__ = []
-    _here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here]
-    # only the top-level name is another package's (this folder as `<parent>.kernels` stays empty)
-    _spec = _machinery.PathFinder.find_spec(__name__, _elsewhere) if __name__ == "kernels" else None
-    if _spec is not None and _spec.loader is not None:
-        # the import statement returns what sys.modules holds once this body has run
-        _sys.modules[__name__] = _util.module_from_spec(_spec)
-        _spec.loader.exec_module(_sys.modules[__name__])
+    if __name__ == "kernels":  # only the top-level name is another package's (`<parent>.kernels` stays empty)
+        _here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+        _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here]
+        _spec = _machinery.PathFinder.find_spec(__name__, _elsewhere)
+        if _spec is not None and _spec.loader is not None:
+            # the import statement returns what sys.modules holds once this body has run
+            _sys.modules[__name__] = _util.module_from_spec(_spec)
+            _spec.loader.exec_module(_sys.modules[__name__])
 else:
     # The Triton op modules are named after the ops (sde_step.py, sde_logprob.py). Importing a
     # submodule binds its name on this package, so they are imported before the functions of the same

@@ -67,4 +67,3 @@ def test_the_gpu_check_refuses_arguments_it_would_ignore():
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("gpu_check: takes no arguments (got: -k kernels); it runs every CUDA check")
-
