@@ -7,6 +7,8 @@ VENV ?= .venv
 TORCH ?= torch
 # Where pip finds torch, when not the default index (e.g. https://download.pytorch.org/whl/cpu).
 TORCH_INDEX ?=
+# The releases of stepfast's dependencies the suite last passed with (empty: the newest allowed).
+CONSTRAINTS ?= .ci/constraints.txt
 ARGS ?=
 # `make train` ranks: one per GPU; without CUDA, two CPU ranks (the launcher told so: DS_ACCELERATOR=cpu,
 # which spares its "unable to detect" warnings), the launcher quiet but for errors where its version
@@ -27,11 +29,11 @@ STAMP := $(VENV)/.stepfast-installed
 
 .PHONY: test train bench clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h) $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]" $(if $(CONSTRAINTS),--constraint "$(CONSTRAINTS)")
 	@touch $(STAMP)
 
 test: $(STAMP)
