@@ -68,6 +68,7 @@ REGISTRY: dict[str, str | Callable[..., Any]] = {
     "geneval_remote": "stepfast.rewards.geneval_remote:GenEvalRemoteReward",
     "remote": "stepfast.rewards.remote:RemoteReward",
     "vlm": "stepfast.rewards.vlm:VlmJudgeReward",
+    "random": "stepfast.rewards.control:RandomReward",
 }
 
 
