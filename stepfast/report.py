@@ -221,7 +221,7 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
                       f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
-                      "training seed spread on top of it.", ""]  # fmt: skip
+                      "training seed spread on top of it." + control_note(cfg), ""]  # fmt: skip
     if "after" in evals:
         lines += ["The evaluation after training is of the weights of the run's last checkpoint; every image's "
                   "prompt, seed and scores are in eval_after.json (`samples`)."]  # fmt: skip
@@ -235,6 +235,15 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         lines += grid_link("after")
     (report / "summary.md").write_text("\n".join(lines))
     return report
+
+
+def control_note(cfg) -> str:
+    """For a run trained on a reward: how to see what its gain is worth (a run on the `random` control
+    reward, which moves the weights as much with no signal); nothing for a run that is that control."""
+    if set(cfg.reward.weights) == {"random"}:
+        return " This run trained on the `random` control reward: its gain is drift, with no signal."
+    return (" The same run on the `random` control reward (`'reward.weights={random: 1.0}'`, the evaluation "
+            "unchanged) shows how far the weights' drift alone moves the measure: read the gain beside it.")
 
 
 def settings_line(cfg) -> str:

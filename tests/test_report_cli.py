@@ -177,6 +177,23 @@ def test_the_gain_gets_its_standard_error_when_the_evaluations_keep_their_sample
         assert "**Overall (strict): " in summary and "±" not in summary
 
 
+def test_the_gain_is_read_beside_a_random_reward_control(run):
+    """A run on a reward points to the control run that tells its gain from drift; the control's own
+    report says that its gain is drift."""
+    out, rows, evals = run
+    samples = [{"prompt": f"p{i % 3}", "tag": ("colors", "counting")[i % 2], "seed": i, "strict": float(i % 2),
+                "score": 0.5} for i in range(12)]  # fmt: skip
+    evals = {**evals, "before": {**evals["before"], "samples": samples},
+             "after": {**evals["after"], "samples": [{**x, "strict": 1.0} for x in samples]}}  # fmt: skip
+    pointer = "The same run on the `random` control reward (`'reward.weights={random: 1.0}'`, the evaluation unchanged)"
+    summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
+    assert pointer in summary and "its gain is drift" not in summary
+    control = load_config("default", ["iterations=6", "reward.weights={random: 1.0}"])
+    summary = (write_report(out, rows, evals, None, control) / "summary.md").read_text()
+    assert pointer not in summary
+    assert "This run trained on the `random` control reward: its gain is drift, with no signal." in summary
+
+
 def test_a_report_says_why_evaluations_that_do_not_pair_have_no_gain(run):
     """Evaluations before and after of other seeds (eval settings changed at a resume): the summary
     says the difference is not of the same images, where it gave it without a word."""
