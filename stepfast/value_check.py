@@ -1,21 +1,22 @@
 """How well do the clean-image estimates that stepwise credit rewards predict what a state leads to?
 
-    python -m stepfast.value_check [--config default] [key=value ...] [--prompts 12] [--members 8]
+    python -m stepfast.value_check [--config default] [key=value ...] [--prompts 12] [--members N]
                                    [--continuations 8] [--substeps 3,10] [--lora DIR] [--out FILE.json]
 
-Stepwise credit scores each intermediate state x_j by the reward of its clean estimate (T' Euler
+Stepwise credit scores each state x_j of a trajectory by the reward of its clean estimate (T' Euler
 substeps to t = 0) and credits step j with the change of that reward. The credit is right where the
 estimate's reward follows the state's value: the mean final reward of the sampler's continuations
-from x_j. This draws, for a few prompts of rollout.prompts, a group of `--members` trajectories with
-the run's sampler, guidance and initial-noise sharing, and for each state both the estimate's reward
-(for each T' asked) and the value (the mean over `--continuations` draws of the rest of the rollout).
-It prints, per state, the correlation of the two within a group (averaged over the groups where
-both vary), and per step, the correlation of the estimate's gain with the value's gain and their
-mean sizes. A step whose gain does not follow the value is credited with noise.
+from x_j. This draws, for a few prompts of rollout.prompts, a group of trajectories as a run with
+the same settings draws one (sampler, time grid, guidance, resolution, shared initial noise), and
+for each state both the estimate's reward (for each T' asked) and the value (the mean over
+`--continuations` draws of the rest of the rollout).
 
-The value is itself a mean of a few draws, so every correlation is capped below 1 by its noise.
-Step 0 is left out: with the initial noise shared in a group (rollout.same_latent) its gain is the
-estimate at state 1 less a constant, the state-1 row again.
+It prints, per state, the correlation of the two within a group (averaged over the groups where
+both vary), their spreads over a group's members, and the value's noise: the standard error of a
+mean of that many draws. Per step, it prints the correlation of the estimate's gain with the value's
+gain, and their mean sizes beside the size a value gain has from that noise alone. Where the value
+spreads little more than its noise, no estimate can be seen to follow it; where the estimate's gains
+are much larger than the value's, they are mostly not the value's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,88 +35,133 @@ from tqdm import tqdm
 from stepfast import heldout, sde
 from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import PromptRecord, load_prompts
+from stepfast.files import write_atomically
 from stepfast.grpo import sde_params
 from stepfast.models import check_device, load_lora, load_pipeline
 from stepfast.policy import (
-    check_resolution, decode, encode_prompts, grid_shift, latent_shape, resolve_model_path, velocity,
+    DTYPES, check_resolution, decode, encode_prompts, grid_shift, latent_shape, resolve_model_path, velocity,
 )
-from stepfast.rollout import estimate_clean_images
+from stepfast.rollout import Velocity, estimate_clean_images
 from stepfast.startup import build_reward, check_prompts, check_reward_names
 
 
 def group_correlation(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     """The Pearson correlation of a [G, N] with b [G, N] within each group (row), averaged over the
-    groups where both vary; (nan, 0) when none does."""
+    groups where both vary (by more than rounding); (nan, 0) when none does."""
     values = []
     for x, y in zip(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)):
-        if x.std() > 0 and y.std() > 0:
+        if x.std() > 1e-9 and y.std() > 1e-9:
             values.append(float(np.corrcoef(x, y)[0, 1]))
     return (float(np.mean(values)) if values else math.nan), len(values)
 
 
-def summarise(times: list[float], values: np.ndarray, estimates: dict[int, np.ndarray], final: np.ndarray) -> dict:
-    """Rows per state and per step from values [G, N, S] and estimates {T': [G, N, S]} of the states
-    1..S (times[k] the time of state k + 1) and the final rewards [G, N]. Step j goes from state j to
-    state j + 1, the last one to the final image, whose value and estimate are its reward."""
-    v = np.concatenate([values, final[..., None]], axis=-1)
+class Sampler:
+    """The run's sampler on a time grid: each step `kind` or ODE as a rollout takes it (the SDE
+    window, steps whose std is under min_std), its noise drawn from a generator on the CPU."""
+
+    def __init__(self, kind: str, grid: torch.Tensor, window=None, min_std: float = sde.DEGENERATE_STD, **params):
+        self.kind, self.grid, self.params = kind, grid, params
+        self.stochastic = sde.stochastic_steps(kind, grid, window, min_std, **params)
+
+    @torch.no_grad()
+    def run(self, vel: Velocity, x: torch.Tensor, start: int, generator: torch.Generator):
+        """States start..T and the velocities at states start..T-1, from x at grid[start]."""
+        states, velocities = [x], []
+        for j in range(start, self.grid.numel() - 1):
+            t, s = self.grid[j].expand(x.shape[0]).to(x.device), self.grid[j + 1].expand(x.shape[0]).to(x.device)
+            v = vel(x, t).float()
+            if self.stochastic[j]:
+                noise = torch.randn(x.shape, generator=generator).to(x.device)
+                x = sde.step(self.kind, x, v, t, s, noise=noise, **self.params).sample
+            else:
+                x = sde.step("ode", x, v, t, s).sample
+            states.append(x)
+            velocities.append(v)
+        return states, velocities
+
+
+def draw_group(sampler: Sampler, vel_for: Callable[[int], Velocity], x0: torch.Tensor, continuations: int,
+               substeps: list[int], score: Callable[[torch.Tensor], np.ndarray], generator: torch.Generator,
+               batch_size: int = 64) -> dict:  # fmt: skip
+    """One group from x0 [N, ...]: per state j = 0..T-1, each member's value (the mean `score` of
+    `continuations` runs of the sampler from it; "value" [N, T]) with that mean's standard error
+    ("value_se" [N, T]) and the score of its clean estimate for each T' ("estimates" {T': [N, T]});
+    and the final scores ("final" [N]). `vel_for(n)` is the velocity model of n rows of the group's
+    prompt; the first substep of an estimate reuses the velocity the trajectory took at the state."""
+    members, last = x0.shape[0], sampler.grid.numel() - 1
+    states, vels = sampler.run(vel_for(members), x0, 0, generator)
+    value, value_se = np.zeros((members, last)), np.zeros((members, last))
+    estimates = {tp: np.zeros((members, last)) for tp in substeps}
+    for j in range(last):
+        t = sampler.grid[j].expand(members).to(x0.device)
+        for tp in substeps:
+            x0_hat = estimate_clean_images(vel_for(members), states[j], t, tp, first_velocity=vels[j])
+            estimates[tp][:, j] = score(x0_hat)
+        ends = [sampler.run(vel_for(len(chunk)), chunk, j, generator)[0][-1]
+                for chunk in states[j].repeat_interleave(continuations, 0).split(batch_size)]  # fmt: skip
+        draws = score(torch.cat(ends)).reshape(members, continuations)
+        value[:, j] = draws.mean(1)
+        value_se[:, j] = draws.std(1, ddof=1) / math.sqrt(continuations) if continuations > 1 else math.nan
+    return {"value": value, "value_se": value_se, "estimates": estimates, "final": score(states[-1])}
+
+
+def summarise(times: list[float], groups: list[dict]) -> dict:
+    """Rows per state j = 0..T-1 (times[j] its time) and per step (state j -> j + 1, the last one
+    to the final image, whose value and estimate are its score) from `draw_group`'s groups."""
+    value = np.stack([g["value"] for g in groups])  # [G, N, T]
+    se = np.stack([g["value_se"] for g in groups])
+    final = np.stack([g["final"] for g in groups])[..., None]
+    estimates = {tp: np.stack([g["estimates"][tp] for g in groups]) for tp in groups[0]["estimates"]}
+    v = np.concatenate([value, final], axis=-1)
     states, steps = [], []
-    for k, t in enumerate(times):
-        row = {"state": k + 1, "t": t, "value_spread": float(values[..., k].std(axis=1).mean())}
+    for j, t in enumerate(times):
+        row = {"state": j, "t": t, "value_spread": float(value[..., j].std(axis=1).mean()),
+               "value_noise": float(np.sqrt((se[..., j] ** 2).mean()))}  # fmt: skip
         for tp, est in estimates.items():
-            row[f"corr_T{tp}"], row["groups"] = group_correlation(est[..., k], values[..., k])
-            row[f"estimate_spread_T{tp}"] = float(est[..., k].std(axis=1).mean())
+            row[f"corr_T{tp}"], row[f"groups_T{tp}"] = group_correlation(est[..., j], value[..., j])
+            row[f"estimate_spread_T{tp}"] = float(est[..., j].std(axis=1).mean())
         states.append(row)
-    for k in range(len(times)):
-        dv = v[..., k + 1] - v[..., k]
-        row = {"step": k + 1, "value_gain": float(np.abs(dv).mean())}
+    for j in range(len(times)):
+        dv = v[..., j + 1] - v[..., j]
+        # a value gain's size from the draws' noise alone: |N(0, se_j^2 + se_j+1^2)| on average
+        noise_var = se[..., j] ** 2 + (se[..., j + 1] ** 2 if j + 1 < len(times) else 0.0)
+        row = {"step": j, "value_gain": float(np.abs(dv).mean()),
+               "value_gain_noise": float(np.sqrt(2 / math.pi) * np.sqrt(noise_var).mean())}  # fmt: skip
         for tp, est in estimates.items():
-            e = np.concatenate([est, final[..., None]], axis=-1)
-            de = e[..., k + 1] - e[..., k]
-            row[f"corr_T{tp}"], row["groups"] = group_correlation(de, dv)
+            e = np.concatenate([est, final], axis=-1)
+            de = e[..., j + 1] - e[..., j]
+            row[f"corr_T{tp}"], row[f"groups_T{tp}"] = group_correlation(de, dv)
             row[f"gain_T{tp}"] = float(np.abs(de).mean())
         steps.append(row)
     return {"states": states, "steps": steps}
 
 
 def format_tables(summary: dict, substeps: list[int]) -> str:
-    def num(x):
-        return "   nan" if math.isnan(x) else f"{x:+.2f}"
+    def table(rows, columns):
+        header = "  ".join(f"{name:>{width}}" for name, width, _ in columns)
+        lines = [header]
+        for r in rows:
+            cells = []
+            for name, width, cell in columns:
+                x = cell(r)
+                if not isinstance(x, str):
+                    x = "nan" if math.isnan(x) else f"{x:+.2f}" if name.startswith("corr") else f"{x:.3f}"
+                text = x
+                cells.append(f"{text:>{width}}")
+            lines.append("  ".join(cells))
+        return lines
 
-    head = "".join(f"  corr T'={tp:<3}" for tp in substeps)
-    lines = [f"state      t{head}  value spread" + "".join(f"  est. spread T'={tp}" for tp in substeps)]
-    for r in summary["states"]:
-        lines.append(f"{r['state']:>5}  {r['t']:.3f}" + "".join(f"  {num(r[f'corr_T{tp}']):>11}" for tp in substeps)
-                     + f"  {r['value_spread']:12.3f}"
-                     + "".join(f"  {r[f'estimate_spread_T{tp}']:>16.3f}" for tp in substeps))  # fmt: skip
-    lines += ["", f" step{head}  mean |value gain|" + "".join(f"  mean |gain| T'={tp}" for tp in substeps)]
-    for r in summary["steps"]:
-        lines.append(f"{r['step']:>5}" + "".join(f"  {num(r[f'corr_T{tp}']):>11}" for tp in substeps)
-                     + f"  {r['value_gain']:17.3f}"
-                     + "".join(f"  {r[f'gain_T{tp}']:>16.3f}" for tp in substeps))  # fmt: skip
-    return "\n".join(lines)
-
-
-class _Sampler:
-    """The run's sampler on the model's grid: each step stochastic or ODE as a rollout takes it."""
-
-    def __init__(self, cfg, grid: torch.Tensor):
-        self.kind, self.grid, self.params = cfg.sampler, grid, sde_params(cfg)
-        self.stochastic = sde.stochastic_steps(cfg.sampler, grid, cfg.sde.window, cfg.sde.min_std, **self.params)
-
-    @torch.no_grad()
-    def run(self, vel, x: torch.Tensor, start: int, generator: torch.Generator):
-        """States start..T and the velocities at start..T-1, from x at grid[start]."""
-        states, velocities = [x], []
-        for j in range(start, self.grid.numel() - 1):
-            t, s = self.grid[j].expand(x.shape[0]), self.grid[j + 1].expand(x.shape[0])
-            v = vel(x, t.to(x.device)).float()
-            kind = self.kind if self.stochastic[j] else "ode"
-            noise = torch.randn(x.shape, generator=generator).to(x.device) if kind != "ode" else None
-            x = sde.step(kind, x, v, t.to(x.device), s.to(x.device), noise=noise,
-                         **(self.params if kind != "ode" else {})).sample  # fmt: skip
-            states.append(x)
-            velocities.append(v)
-        return states, velocities
+    corr = [(f"corr T'={tp}", len(f"corr T'={tp}"), lambda r, tp=tp: r[f"corr_T{tp}"]) for tp in substeps]
+    state_cols = [("state", 5, lambda r: str(r["state"])), ("t", 5, lambda r: f"{r['t']:.3f}"), *corr,
+                  ("value spread", 12, lambda r: r["value_spread"]), ("value noise", 11, lambda r: r["value_noise"]),
+                  *[(f"est. spread T'={tp}", len(f"est. spread T'={tp}"), lambda r, tp=tp: r[f"estimate_spread_T{tp}"])
+                    for tp in substeps]]  # fmt: skip
+    step_cols = [("step", 5, lambda r: str(r["step"])), *corr,
+                 ("mean |value gain|", 17, lambda r: r["value_gain"]),
+                 ("from noise", 10, lambda r: r["value_gain_noise"]),
+                 *[(f"mean |gain| T'={tp}", len(f"mean |gain| T'={tp}"), lambda r, tp=tp: r[f"gain_T{tp}"])
+                   for tp in substeps]]  # fmt: skip
+    return "\n".join(table(summary["states"], state_cols) + [""] + table(summary["steps"], step_cols))
 
 
 def measure(pipe, reward, records: list[PromptRecord], cfg, members: int, continuations: int, substeps: list[int],
@@ -123,53 +170,40 @@ def measure(pipe, reward, records: list[PromptRecord], cfg, members: int, contin
     draws a group with `cfg` (sampler, grid, guidance, resolution, shared initial noise)."""
     device = pipe.transformer.device
     grid = sde.sd3_time_grid(cfg.sde.steps, shift=grid_shift(pipe.scheduler.config))
-    sampler = _Sampler(cfg, grid)
-    last = grid.numel() - 1
-    values, estimates, finals = [], {tp: [] for tp in substeps}, []
-
-    def guided(cond):  # the velocity model of rows conditioned on `cond`, as the rollout guides it
-        return lambda x, t: velocity(pipe.transformer, x, t, cond, cfg.rollout.cfg)
-
-    def score(latents, record):
-        images = torch.cat([decode(pipe, chunk) for chunk in latents.split(batch_size)])
-        n = len(images)  # a record's metadata when its file has them, as the trainer passes them
-        out = reward.score(images, [record.prompt] * n, [record.metadata] * n if record.metadata else None)
-        return out["score"].double().numpy()
-
+    sampler = Sampler(cfg.sampler, grid, cfg.sde.window, cfg.sde.min_std, **sde_params(cfg))
+    groups = []
     for g, record in enumerate(tqdm(records, desc="value check", unit="prompt", disable=not progress)):
+        embeddings = {}
+
+        def vel_for(n, record=record, embeddings=embeddings):  # n rows of the prompt, guided as the rollout
+            if n not in embeddings:
+                embeddings[n] = encode_prompts(pipe, [record.prompt] * n, cfg.rollout.cfg, device)
+            return lambda x, t: velocity(pipe.transformer, x, t, embeddings[n], cfg.rollout.cfg)
+
+        def score(latents, record=record):  # the metadata of a record that has them, as the trainer passes
+            images = torch.cat([decode(pipe, chunk) for chunk in latents.split(batch_size)])
+            n = len(images)
+            out = reward.score(images, [record.prompt] * n, [record.metadata] * n if record.metadata else None)
+            return torch.as_tensor(out["score"]).double().cpu().numpy()
+
         gen = torch.Generator().manual_seed(seed * 1_000_003 + g)
         shape = latent_shape(pipe, 1 if cfg.rollout.same_latent else members, cfg.rollout.resolution)
         x0 = torch.randn(shape, generator=gen).expand(members, *shape[1:]).contiguous().to(device)
-        group = guided(encode_prompts(pipe, [record.prompt] * members, cfg.rollout.cfg, device))
-        states, vels = sampler.run(group, x0, 0, gen)
-        finals.append(score(states[-1], record))
-        value = np.zeros((members, last - 1))
-        est = {tp: np.zeros((members, last - 1)) for tp in substeps}
-        for j in range(1, last):
-            t = grid[j].expand(members).to(device)
-            for tp in substeps:
-                x = estimate_clean_images(group, states[j], t, tp, first_velocity=vels[j])
-                est[tp][:, j - 1] = score(x, record)
-            ends = []
-            for chunk in states[j].repeat_interleave(continuations, 0).split(batch_size):
-                rows = guided(encode_prompts(pipe, [record.prompt] * len(chunk), cfg.rollout.cfg, device))
-                ends.append(sampler.run(rows, chunk, j, gen)[0][-1])
-            value[:, j - 1] = score(torch.cat(ends), record).reshape(members, continuations).mean(1)
-        values.append(value)
-        for tp in substeps:
-            estimates[tp].append(est[tp])
-    times = [float(grid[j]) for j in range(1, last)]
-    return summarise(times, np.stack(values), {tp: np.stack(e) for tp, e in estimates.items()}, np.stack(finals))
+        groups.append(draw_group(sampler, vel_for, x0, continuations, substeps, score, gen, batch_size))
+    return summarise([float(t) for t in grid[:-1]], groups)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _whole(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _substeps(text: str) -> list[int]:
@@ -182,6 +216,17 @@ def _substeps(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def _json_safe(x):
+    """NaN as null: JSON has no NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
 def main(argv: list[str] | None = None) -> dict:
     head, _usage, *rest = __doc__.split("\n\n")
     p = argparse.ArgumentParser(prog="python -m stepfast.value_check", description="\n\n".join([head, *rest]),
@@ -190,23 +235,22 @@ def main(argv: list[str] | None = None) -> dict:
                    help="preset or YAML file, as train.py takes (default: %(default)s)")
     p.add_argument("overrides", nargs="*",
                    help="key=value overrides, as train.py takes (model.path=DIR, rollout.prompts=FILE, ...)")
-    p.add_argument("--prompts", type=_positive, default=12,
-                   help="prompts of rollout.prompts, spread over their categories (default: 12)")
-    p.add_argument("--members", type=int, default=8, help="trajectories a prompt (default: 8; at least 2)")
-    p.add_argument("--continuations", type=_positive, default=8,
-                   help="draws of the rest of the rollout a state (default: 8)")
+    p.add_argument("--prompts", type=_whole(1), default=12,
+                   help="prompts of rollout.prompts, spread over their categories where they have them (default: 12)")
+    p.add_argument("--members", type=_whole(2), default=None,
+                   help="trajectories a prompt, at least 2 (default: rollout.group_size)")
+    p.add_argument("--continuations", type=_whole(2), default=8,
+                   help="draws of the rest of the rollout a state, at least 2 (default: 8)")
     p.add_argument("--substeps", type=_substeps, default=None,
                    help="T' values to compare, e.g. 3,10 (default: rollout.substeps)")
     p.add_argument("--lora", default=None, help="LoRA weights to load first (a checkpoint's lora/ folder)")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise drawn (default: 0)")
-    p.add_argument("--batch-size", type=_positive, default=64, help="latents a forward or decode (default: 64)")
+    p.add_argument("--batch-size", type=_whole(1), default=64,
+                   help="latents a continuation or decode call (default: 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--out", default=None, help="also write the tables as JSON to this file")
     args = p.parse_intermixed_args(argv)
-    if args.members < 2:
-        p.error(f"--members must be at least 2: a correlation within a group needs two trajectories, "
-                f"got {args.members}")
     try:
         cfg = load_config(args.config, args.overrides)
         check_reward_names(cfg)
@@ -218,28 +262,34 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--out: folder {out.parent} does not exist")
     try:
         device = check_device(args.device)
-        pipe = load_pipeline(resolve_model_path(cfg.model.path), device=device)
-        check_resolution(pipe, cfg.rollout.resolution, "rollout.resolution")
-        if args.lora:
-            load_lora(pipe, args.lora)
         reward = build_reward(cfg, device)
-    except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError) as exc:
+    except (ConfigError, ValueError) as exc:
         p.error(str(exc))
-    records = [records[i] for i in heldout.spread_indices([r.metadata or {} for r in records], args.prompts)]
     try:  # a prompt the reward cannot score, named by its line before anything is drawn
         check_prompts(reward, records, "rollout.prompts", cfg.rollout.prompts)
     except ConfigError as exc:
         p.error(str(exc))
+    # plain prompts (a .txt file) get the record the reward parses them into, with its category
+    parse = next((r.record for r in getattr(reward, "rewards", {}).values() if hasattr(r, "record")), None)
+    tags = [r.metadata or (dict(parse(r.prompt)) if parse else {}) for r in records]
+    records = [records[i] for i in heldout.spread_indices(tags, args.prompts)]
+    try:
+        pipe = load_pipeline(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype], device=device)
+        check_resolution(pipe, cfg.rollout.resolution, "rollout.resolution")
+        if args.lora:
+            load_lora(pipe, args.lora)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        p.error(str(exc))
     substeps = args.substeps or [cfg.rollout.substeps]
-    summary = measure(pipe, reward, records, cfg, args.members, args.continuations, substeps, args.seed,
-                      args.batch_size)
+    members = args.members or cfg.rollout.group_size
+    summary = measure(pipe, reward, records, cfg, members, args.continuations, substeps, args.seed, args.batch_size)
     summary["settings"] = {"config": args.config, "overrides": args.overrides,
-                           "prompts": [r.prompt for r in records], "members": args.members,
+                           "prompts": [r.prompt for r in records], "members": members,
                            "continuations": args.continuations, "substeps": substeps, "lora": args.lora,
                            "seed": args.seed}  # fmt: skip
     print(format_tables(summary, substeps))
     if out is not None:
-        out.write_text(json.dumps(summary, indent=1))
+        write_atomically(out, lambda tmp: tmp.write_text(json.dumps(_json_safe(summary), indent=1)))
         print(f"wrote {out}")
     return summary
 

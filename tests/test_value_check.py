@@ -7,9 +7,23 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
+from stepfast import sde
 from stepfast.models.tiny import tiny_pipeline_dir
-from stepfast.value_check import group_correlation, main, summarise
+from stepfast.rollout import sample_trajectory
+from stepfast.value_check import Sampler, draw_group, group_correlation, main, summarise
+
+GRID = sde.sd3_time_grid(5)
+
+
+def toy_velocity(x, t):
+    """Row by row, so that a row's result does not depend on the batch it is in."""
+    return 0.5 * x - t.view(-1, 1, 1) + torch.sin(3 * x)
+
+
+def mean_score(latents):
+    return latents.double().mean(dim=(1, 2)).numpy()
 
 
 def test_group_correlation_is_within_groups_and_only_where_both_vary():
@@ -23,24 +37,74 @@ def test_group_correlation_is_within_groups_and_only_where_both_vary():
     assert math.isnan(corr) and groups == 0
 
 
-def test_summary_rows_and_the_last_step_ending_at_the_final_reward():
+@pytest.mark.parametrize(("kind", "params", "window"), [
+    ("ddim", {"eta": 1.0}, None), ("flow_sde", {"noise_level": 0.7}, None), ("cps", {"noise_level": 0.7}, [1, 3]),
+])  # fmt: skip
+def test_the_sampler_draws_the_rollouts_trajectory(kind, params, window):
+    """Given the same noise at its stochastic steps, it takes the rollout's steps (the trainer's
+    sample_trajectory), ODE steps where the window or min_std say so: the same states up to float32
+    rounding (the rollout's stochastic steps go through the fused step op, these through sde.step)."""
+    x0 = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(kind, GRID, window, 0.05, **params)
+    states, velocities = sampler.run(toy_velocity, x0, 0, torch.Generator().manual_seed(7))
+    replay, noise = torch.Generator().manual_seed(7), torch.zeros(5, *x0.shape)
+    for j in range(5):
+        if sampler.stochastic[j]:
+            noise[j] = torch.randn(x0.shape, generator=replay)
+    traj = sample_trajectory(toy_velocity, x0, GRID, kind, noise=noise, sde_window=window, min_std=0.05, **params)
+    assert sampler.stochastic.any() and not sampler.stochastic.all()
+    torch.testing.assert_close(torch.stack(states), traj.states, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(velocities), traj.velocities, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_scores_each_states_estimate_and_its_continuations():
+    sampler = Sampler("ddim", GRID, None, 0.05, eta=1.0)
+    x0 = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(1)).expand(4, 4, 5).contiguous()
+    group = draw_group(sampler, lambda n: toy_velocity, x0, 3, [1, 2], mean_score, torch.Generator().manual_seed(3))
+    assert group["value"].shape == group["value_se"].shape == group["estimates"][1].shape == (4, 5)
+    # the trajectory is the generator's first draw: redrawn, its states give the T' = 1 estimates,
+    # x_j - t_j v(x_j) with the velocity the trajectory took at x_j
+    states, _ = sampler.run(toy_velocity, x0, 0, torch.Generator().manual_seed(3))
+    for j in range(5):
+        t = GRID[j].expand(4)
+        expected = mean_score(states[j] - t.view(-1, 1, 1) * toy_velocity(states[j], t))
+        np.testing.assert_allclose(group["estimates"][1][:, j], expected, atol=1e-6)
+    np.testing.assert_allclose(group["final"], mean_score(states[-1]), atol=1e-6)
+    # ddim's first step draws no noise: the members are one state there, and their estimates agree
+    assert np.ptp(group["estimates"][2][:, 1]) < 1e-9
+    # its last step (t_4 -> 0) draws none either: every continuation of state 4 is the member's own
+    # final image, so the value there is the final score, with no noise
+    np.testing.assert_allclose(group["value"][:, 4], group["final"], atol=1e-6)
+    assert np.all(group["value_se"][:, 4] < 1e-6) and np.all(group["value_se"][:, 1] > 0)
+
+
+def test_summary_rows_and_the_last_step_ending_at_the_final_score():
     rng = np.random.default_rng(0)
-    values, final = rng.random((3, 4, 2)), rng.random((3, 4))
-    estimates = {3: values.copy(), 1: rng.random((3, 4, 2))}
-    summary = summarise([0.9, 0.5], values, estimates, final)
-    assert [(r["state"], r["t"]) for r in summary["states"]] == [(1, 0.9), (2, 0.5)]
-    assert [r["step"] for r in summary["steps"]] == [1, 2]
+    groups = []
+    for _ in range(3):
+        value = rng.random((4, 2))
+        groups.append({"value": value, "value_se": np.full((4, 2), 0.1), "final": rng.random(4),
+                       "estimates": {3: value.copy(), 1: rng.random((4, 2))}})  # fmt: skip
+    summary = summarise([1.0, 0.5], groups)
+    value, final = np.stack([g["value"] for g in groups]), np.stack([g["final"] for g in groups])
+    est1 = np.stack([g["estimates"][1] for g in groups])
+    assert [(r["state"], r["t"]) for r in summary["states"]] == [(0, 1.0), (1, 0.5)]
+    assert [r["step"] for r in summary["steps"]] == [0, 1]
     # an estimate equal to the value follows it, state by state and gain by gain
     assert [r["corr_T3"] for r in summary["states"]] == pytest.approx([1.0, 1.0])
     assert [r["corr_T3"] for r in summary["steps"]] == pytest.approx([1.0, 1.0])
-    # step 1: state 1 -> state 2; step 2: state 2 -> the final image, whose value and estimate are its reward
-    assert summary["steps"][0]["value_gain"] == pytest.approx(np.abs(values[..., 1] - values[..., 0]).mean())
-    assert summary["steps"][1]["value_gain"] == pytest.approx(np.abs(final - values[..., 1]).mean())
-    assert summary["steps"][1]["gain_T1"] == pytest.approx(np.abs(final - estimates[1][..., 1]).mean())
-    lone = np.corrcoef(final[0] - estimates[1][0, :, 1], final[0] - values[0, :, 1])[0, 1]
-    assert group_correlation(final[:1] - estimates[1][:1, :, 1], final[:1] - values[:1, :, 1])[0] == pytest.approx(lone)
-    assert summary["states"][0]["value_spread"] == pytest.approx(values[..., 0].std(axis=1).mean())
-    assert summary["states"][1]["estimate_spread_T1"] == pytest.approx(estimates[1][..., 1].std(axis=1).mean())
+    # step 0: state 0 -> state 1; step 1: state 1 -> the final image, whose value and estimate are its score
+    assert summary["steps"][0]["value_gain"] == pytest.approx(np.abs(value[..., 1] - value[..., 0]).mean())
+    assert summary["steps"][1]["value_gain"] == pytest.approx(np.abs(final - value[..., 1]).mean())
+    assert summary["steps"][1]["gain_T1"] == pytest.approx(np.abs(final - est1[..., 1]).mean())
+    last = [np.corrcoef(final[g] - est1[g, :, 1], final[g] - value[g, :, 1])[0, 1] for g in range(3)]
+    assert summary["steps"][1]["corr_T1"] == pytest.approx(np.mean(last))
+    assert summary["states"][0]["value_spread"] == pytest.approx(value[..., 0].std(axis=1).mean())
+    assert summary["states"][1]["estimate_spread_T1"] == pytest.approx(est1[..., 1].std(axis=1).mean())
+    assert summary["states"][0]["value_noise"] == pytest.approx(0.1)
+    # a gain between two values of standard error 0.1 has a mean size sqrt(2 / pi) sqrt(0.02) from noise
+    assert summary["steps"][0]["value_gain_noise"] == pytest.approx(math.sqrt(2 / math.pi) * math.sqrt(0.02))
+    assert summary["steps"][1]["value_gain_noise"] == pytest.approx(math.sqrt(2 / math.pi) * 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -53,44 +117,46 @@ def check(tmp_path, model, *extra, prompts="a red circle\na blue square\n"):
     file.write_text(prompts)
     return main([f"model.path={model}", f"rollout.prompts={file}", "rollout.resolution=32", "sde.steps=4",
                  "reward.weights={jpeg_compressibility: 1.0}", "--prompts", "2", "--members", "3",
-                 "--device", "cpu", *extra])  # fmt: skip
+                 "--continuations", "2", "--device", "cpu", *extra])  # fmt: skip
 
 
-def test_value_check_draws_the_trainers_groups_and_writes_its_tables(tmp_path, tiny_model, capsys):
+def test_value_check_on_a_pipeline_prints_and_writes_its_tables(tmp_path, tiny_model, capsys):
     out = tmp_path / "value.json"
-    summary = check(tmp_path, tiny_model, "--continuations", "1", "--substeps", "1,2", "--out", str(out))
+    summary = check(tmp_path, tiny_model, "--substeps", "1,2", "--out", str(out))
     printed = capsys.readouterr().out
-    assert "corr T'=1" in printed and "corr T'=2" in printed and f"wrote {out}" in printed
-    assert [r["state"] for r in summary["states"]] == [1, 2, 3]
-    assert [r["step"] for r in summary["steps"]] == [1, 2, 3]
+    assert "corr T'=1" in printed and "corr T'=2" in printed and "value noise" in printed
+    assert f"wrote {out}" in printed
+    assert [r["state"] for r in summary["states"]] == [0, 1, 2, 3]
+    assert [r["step"] for r in summary["steps"]] == [0, 1, 2, 3]
     assert summary["settings"]["prompts"] == ["a red circle", "a blue square"]
-    # ddim's last step (t_3 -> 0) has no noise: a state-3 continuation, drawn in a batch of the group's
-    # shape, is the member's own final image, so the value gains nothing on that step
-    assert summary["steps"][-1]["value_gain"] == 0.0
-    assert summary["states"][-1]["value_spread"] > 0  # the members differ: their earlier steps drew noise
+    assert summary["settings"]["members"] == 3
+    # the members share their initial noise (the default preset) and ddim's first step draws none
+    assert summary["states"][0]["estimate_spread_T1"] == 0 and math.isnan(summary["states"][0]["corr_T1"])
+    assert summary["states"][-1]["value_spread"] > 0  # later steps drew noise
     for row in summary["states"] + summary["steps"]:
         for key in ("corr_T1", "corr_T2"):
             assert math.isnan(row[key]) or -1 - 1e-9 <= row[key] <= 1 + 1e-9
-    written = json.loads(out.read_text())
+    written = json.loads(out.read_text())  # standard JSON: NaN written as null
+    assert written["states"][0]["corr_T1"] is None
     assert [r["t"] for r in written["states"]] == [r["t"] for r in summary["states"]]
     assert written["settings"]["substeps"] == [1, 2]
 
 
 def test_value_check_follows_the_configs_sampler(tmp_path, tiny_model):
     """With every step an ODE step (sde.min_std above every std), a group's members are one image:
-    no value or estimate spreads, and no correlation."""
-    summary = check(tmp_path, tiny_model, "sde.min_std=10", "--continuations", "2")
-    assert all(r["value_spread"] == 0 for r in summary["states"])
+    no value or estimate spreads, no noise, and no correlation."""
+    summary = check(tmp_path, tiny_model, "sde.min_std=10")
+    assert all(r["value_spread"] == 0 and r["value_noise"] == 0 for r in summary["states"])
     assert all(math.isnan(r["corr_T3"]) for r in summary["states"] + summary["steps"])
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--members", "1"], "--members must be at least 2"),
+    (["--members", "1"], "argument --members: must be at least 2, got 1"),
+    (["--continuations", "1"], "argument --continuations: must be at least 2, got 1"),
+    (["--prompts", "x"], "argument --prompts: expected a whole number, got 'x'"),
+    (["--substeps", "3,x"], "comma-separated whole numbers"),
     (["optim.lrr=1"], "optim.lr"),
     (["--out", "/nonexistent-folder/v.json"], "--out: folder /nonexistent-folder does not exist"),
-    (["--substeps", "3,x"], "comma-separated whole numbers"),
-    (["--prompts", "x"], "argument --prompts: expected a whole number, got 'x'"),
-    (["--continuations", "0"], "argument --continuations: must be at least 1, got 0"),
 ])  # fmt: skip
 def test_bad_input_is_named_before_anything_is_drawn(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -99,10 +165,10 @@ def test_bad_input_is_named_before_anything_is_drawn(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(tmp_path, tiny_model, capsys):
+def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(tmp_path, capsys):
     file = tmp_path / "prompts.txt"
     file.write_text("a photo of a red circle\na photo of a dog\n")
     with pytest.raises(SystemExit):
-        main([f"model.path={tiny_model}", f"rollout.prompts={file}", "rollout.resolution=32", "--prompts", "2"])
+        main([f"rollout.prompts={file}", "--prompts", "2"])
     err = capsys.readouterr().err
     assert f"rollout.prompts: {file}:2: reward 'shapes': 'a photo of a dog' is not a ShapeEval prompt" in err
