@@ -42,7 +42,7 @@ from stepfast.policy import (
     DTYPES, check_resolution, decode, encode_prompts, grid_shift, latent_shape, resolve_model_path, velocity,
 )
 from stepfast.rollout import Velocity, estimate_clean_images
-from stepfast.startup import build_reward, check_prompts, check_reward_names
+from stepfast.startup import build_reward, check_prompts, check_reward_names, check_servers
 
 
 def group_correlation(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
@@ -265,12 +265,14 @@ def main(argv: list[str] | None = None) -> dict:
         reward = build_reward(cfg, device)
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))
-    try:  # a prompt the reward cannot score, named by its line before anything is drawn
+    try:  # a prompt the reward cannot score, named by its line, and a reward server out of reach: before drawing
         check_prompts(reward, records, "rollout.prompts", cfg.rollout.prompts)
+        check_servers({f"reward.options.{name}": part for name, part in reward.rewards.items()},
+                      size=cfg.rollout.resolution)  # fmt: skip
     except ConfigError as exc:
         p.error(str(exc))
     # plain prompts (a .txt file) get the record the reward parses them into, with its category
-    parse = next((r.record for r in getattr(reward, "rewards", {}).values() if hasattr(r, "record")), None)
+    parse = next((r.record for r in reward.rewards.values() if hasattr(r, "record")), None)
     tags = [r.metadata or (dict(parse(r.prompt)) if parse else {}) for r in records]
     records = [records[i] for i in heldout.spread_indices(tags, args.prompts)]
     try:

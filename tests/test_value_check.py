@@ -172,3 +172,17 @@ def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(tmp_path, capsys)
         main([f"rollout.prompts={file}", "--prompts", "2"])
     err = capsys.readouterr().err
     assert f"rollout.prompts: {file}:2: reward 'shapes': 'a photo of a dog' is not a ShapeEval prompt" in err
+
+
+def test_a_reward_server_out_of_reach_is_named_before_the_model_loads(capsys, monkeypatch):
+    import stepfast.value_check as value_check
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the reward server was checked")
+
+    monkeypatch.setattr(value_check, "load_pipeline", no_model)
+    with pytest.raises(SystemExit) as exc:
+        main(["reward.weights={remote: 1.0}", "--prompts", "1",
+              "reward.options={remote: {url: 'http://127.0.0.1:9', rewards: [shapes], retries: 0}}"])  # fmt: skip
+    assert exc.value.code == 2
+    assert "reward.options.remote: reward server http://127.0.0.1:9 failed after 1 attempt(s)" in capsys.readouterr().err
