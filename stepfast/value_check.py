@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -112,7 +111,8 @@ def summarise(times: list[float], groups: list[dict]) -> dict:
     se = np.stack([g["value_se"] for g in groups])
     final = np.stack([g["final"] for g in groups])[..., None]
     estimates = {tp: np.stack([g["estimates"][tp] for g in groups]) for tp in groups[0]["estimates"]}
-    v = np.concatenate([value, final], axis=-1)
+    v = np.concatenate([value, final], axis=-1)  # the final image ends the last step, for values and estimates
+    e = {tp: np.concatenate([est, final], axis=-1) for tp, est in estimates.items()}
     states, steps = [], []
     for j, t in enumerate(times):
         row = {"state": j, "t": t, "value_spread": float(value[..., j].std(axis=1).mean()),
@@ -127,9 +127,8 @@ def summarise(times: list[float], groups: list[dict]) -> dict:
         noise_var = se[..., j] ** 2 + (se[..., j + 1] ** 2 if j + 1 < len(times) else 0.0)
         row = {"step": j, "value_gain": float(np.abs(dv).mean()),
                "value_gain_noise": float(np.sqrt(2 / math.pi) * np.sqrt(noise_var).mean())}  # fmt: skip
-        for tp, est in estimates.items():
-            e = np.concatenate([est, final], axis=-1)
-            de = e[..., j + 1] - e[..., j]
+        for tp, est in e.items():
+            de = est[..., j + 1] - est[..., j]
             row[f"corr_T{tp}"], row[f"groups_T{tp}"] = group_correlation(de, dv)
             row[f"gain_T{tp}"] = float(np.abs(de).mean())
         steps.append(row)
@@ -146,8 +145,7 @@ def format_tables(summary: dict, substeps: list[int]) -> str:
                 x = cell(r)
                 if not isinstance(x, str):
                     x = "nan" if math.isnan(x) else f"{x:+.2f}" if name.startswith("corr") else f"{x:.3f}"
-                text = x
-                cells.append(f"{text:>{width}}")
+                cells.append(f"{x:>{width}}")
             lines.append("  ".join(cells))
         return lines
 
@@ -298,4 +296,3 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)
