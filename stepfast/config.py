@@ -593,7 +593,9 @@ def _check_choices(cfg: Config) -> None:
     for key, allowed in choices.items():
         value = _get_dotted(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+            close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}{hint}")
     if cfg.optim.zero_stage not in (1, 2, 3):
         raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
     if cfg.sampler == "ode":

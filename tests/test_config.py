@@ -138,8 +138,9 @@ def test_the_written_config_reads_back_the_same(tmp_path):
     ("rollout.group_sise=3", "did you mean 'rollout.group_size'?"),
     ("iterations=many", "iterations: expected int, got 'many'"),
     ("rollout.same_latent=3", "rollout.same_latent: expected true or false"),
-    ("sampler=euler", "sampler: 'euler' is not one of"),
-    ("credit=stepwize", "credit: 'stepwize' is not one of"),
+    ("sampler=ddmi", "sampler: 'ddmi' is not one of ode, flow_sde, cps, ddim; did you mean 'ddim'?"),
+    ("credit=stepwize", "; did you mean 'stepwise'?"),
+    ("model.dtype=bf61", "model.dtype: 'bf61' is not one of fp32, bf16, fp16; did you mean 'bf16'?"),
     ("sde.window=[3, 2]", "sde.window must be [start, end)"),
     ("sde.window=[0, 11]", "sde.window must be [start, end) with 0 <= start < end <= 10"),
     ("optim.ema=1", "optim.ema must be in [0, 1), got 1.0"),
@@ -209,6 +210,12 @@ def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("default", override if isinstance(override, list) else [override])
     assert message in str(err.value)
+
+
+def test_a_choice_with_nothing_close_gets_no_guess():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["sampler=euler"])
+    assert str(err.value) == "sampler: 'euler' is not one of ode, flow_sde, cps, ddim"
 
 
 @pytest.mark.parametrize("override, suggestion", [
