@@ -9,9 +9,11 @@ its LoRA adapter disabled, so no second copy of the weights is kept.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import json
 import logging
-import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +71,12 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
     if cfg.lora:
         from peft import LoraConfig
 
+        check_lora_targets(transformer, cfg.lora_targets)
         transformer.requires_grad_(False)
-        try:
-            transformer.add_adapter(
-                LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                           target_modules=list(cfg.lora_targets))
-            )
-        except ValueError as exc:  # peft: a target that matches no module
-            raise ValueError(f"model.lora_targets={list(cfg.lora_targets)}: {exc}") from exc
+        transformer.add_adapter(
+            LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                       target_modules=list(cfg.lora_targets))
+        )
         # trainable weights in fp32 whatever the base dtype: optimizer states stay exact
         for p in transformer.parameters():
             if p.requires_grad:
@@ -84,6 +84,26 @@ def load_policy_pipeline(cfg: ModelConfig, device: torch.device):
     else:
         transformer.requires_grad_(True)
     return pipe
+
+
+def check_lora_targets(transformer: torch.nn.Module, targets) -> None:
+    """Every LoRA target names modules of the transformer, as peft matches them (the module's name, or
+    its ending after a dot). peft itself refuses only a list of which nothing matches: with one target
+    mistyped beside good ones it would train the others and say nothing."""
+    names = [name for name, _ in transformer.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return
+    # the linear layers, named as a target names them: one block's names stand for every block's
+    linear = sorted({re.sub(r"^\w+\.\d+\.", "", n) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+    named = []
+    for target in missing:
+        close = difflib.get_close_matches(target, linear, n=1, cutoff=0.6)
+        named.append(repr(target) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"model.lora_targets: {', '.join(named)} {'matches' if len(missing) == 1 else 'match'} no module of the "
+        f"transformer; its linear layers are {', '.join(linear)}"
+    )
 
 
 def quiet_loading_bars() -> None:

@@ -1,6 +1,7 @@
 """The policy's velocity call: what the SD3 transformer is given."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -100,13 +101,23 @@ def test_the_adapter_has_the_configured_rank_scale_and_targets(tmp_path):
     assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable)
 
 
-def test_lora_targets_that_match_no_module_are_named(tmp_path):
+@pytest.mark.parametrize("targets, named", [
+    ("[attn.to_qq]", "'attn.to_qq' (did you mean 'attn.to_q'?) matches no module"),
+    # one target mistyped beside good ones: peft alone would train the others and say nothing
+    ("[attn.to_q, attn.to_kk, mlp.fc1]", "'attn.to_kk' (did you mean 'attn.to_k'?), 'mlp.fc1' match no module"),
+])  # fmt: skip
+def test_lora_targets_that_match_no_module_are_named(tmp_path, targets, named):
     from stepfast.config import load_config
     from stepfast.policy import load_policy_pipeline
 
-    cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", "model.lora_targets=[attn.to_qq]"])
-    with pytest.raises(ValueError, match=r"model.lora_targets=\['attn.to_qq'\]: .*not found"):
+    cfg = load_config("default", [f"model.path={tiny_pipeline_dir(tmp_path)}", f"model.lora_targets={targets}"])
+    with pytest.raises(ValueError) as err:
         load_policy_pipeline(cfg.model, torch.device("cpu"))
+    message = str(err.value)
+    assert message.startswith(f"model.lora_targets: {named} of the transformer; its linear layers are ")
+    listed = message.rsplit("its linear layers are ", 1)[1].split(", ")
+    assert {"attn.to_q", "attn.to_k", "attn.to_out.0", "ff.net.2", "proj_out"} <= set(listed)
+    assert not any(re.match(r"\w+\.\d+\.", name) for name in listed)  # block indices stripped
 
 
 @pytest.mark.skipif(importlib.util.find_spec("xformers") is not None and torch.cuda.is_available(),
