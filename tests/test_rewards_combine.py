@@ -74,6 +74,12 @@ def test_factories_with_options_dotted_paths_and_missing_options(images):
     # factory taken for a scoring function and called at score time)
     with pytest.raises(ValueError, match=rf"reward '{__name__}:NeedsPath': options \[\] do not fit"):
         rewards.load(f"{__name__}:NeedsPath")
+    with pytest.raises(ValueError, match=r"reward 'shapes': options \['treshold'\] do not fit .*'treshold'"
+                                         r"; did you mean 'threshold' for 'treshold'\?$"):  # fmt: skip
+        rewards.load("shapes", treshold=0.3)
+    with pytest.raises(ValueError) as err:  # nothing close: no guess
+        rewards.load("shapes", colour="red")
+    assert "did you mean" not in str(err.value)
     with pytest.raises(ValueError, match=rf"reward '{__name__}:make_darkness_on': .* is not a scoring function"
                                          r".*as a factory it needs options"):  # fmt: skip
         rewards.load(f"{__name__}:make_darkness_on")

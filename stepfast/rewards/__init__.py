@@ -139,7 +139,14 @@ def _check_options(name: str, build, options: dict) -> dict:
                 f"reward {name!r}: {signature} is not a scoring function fn(images, prompts, metadata), and as a "
                 f"factory it needs options ({exc}): give them in reward.options"
             ) from None
-        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}") from None
+        takes = [p for p, param in signature.parameters.items() if param.kind is not param.VAR_POSITIONAL]
+        guesses = [
+            f"{close[0]!r} for {key!r}"
+            for key in options if key not in signature.parameters
+            for close in [difflib.get_close_matches(key, takes, n=1, cutoff=0.6)] if close
+        ]  # fmt: skip
+        hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}{hint}") from None
     hints = _type_hints(build)
     checked = dict(options)
     for key, value in options.items():
