@@ -95,7 +95,8 @@ def check_lora_targets(transformer: torch.nn.Module, targets) -> None:
     if not missing:
         return
     # the linear layers, named as a target names them: one block's names stand for every block's
-    linear = sorted({re.sub(r"^\w+\.\d+\.", "", n) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+    linear = sorted({re.sub(r"^\w+\.\d+\.", "", n)
+                     for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
     named = []
     for target in missing:
         close = difflib.get_close_matches(target, linear, n=1, cutoff=0.6)
