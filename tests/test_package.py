@@ -1,5 +1,7 @@
-"""What importing stepfast does to the process beyond defining its modules."""
+"""What importing stepfast does to the process beyond defining its modules, and what a wheel of it
+(`pip install .`) ships."""
 
+import fnmatch
 import logging
 import os
 import subprocess
@@ -67,3 +69,36 @@ def test_the_gpu_check_refuses_arguments_it_would_ignore():
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("gpu_check: takes no arguments (got: -k kernels); it runs every CUDA check")
+
+
+def _shipped(rel: Path, patterns: list[str]) -> bool:
+    """Whether setuptools' package-data globs take `rel` (a path inside its package): '*' stays in one
+    folder, as in glob, unlike fnmatch on a whole path."""
+    return any(len(p.split("/")) == len(rel.parts) and all(map(fnmatch.fnmatchcase, rel.parts, p.split("/")))
+               for p in patterns)  # fmt: skip
+
+
+def test_a_wheel_ships_every_module_and_data_file_of_the_tree():
+    """The suite runs on an editable install, which reads everything from the tree; a wheel holds only
+    the packages and package-data pyproject.toml lists. Every Python module must sit in a listed
+    package and every other file (configs, prompts, the embedded model) match a package-data pattern
+    of the package that holds it, or `pip install .` leaves it out and only its users find out."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {pkg: ROOT / tool["package-dir"].get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+    built = ("__pycache__", ".pyc", ".so")  # bytecode, and the C++ extension setup.py builds into the wheel
+    files = [f for folder in (ROOT / "stepfast", ROOT / "kernels") for f in folder.rglob("*")
+             if f.is_file() and not any(part.endswith(built) for part in f.parts)]  # fmt: skip
+    assert any(f.suffix == ".yaml" for f in files) and any("embedded" in f.parts for f in files)
+    missing = []
+    for f in files:
+        holders = [(pkg, folder) for pkg, folder in folders.items() if f.is_relative_to(folder)]
+        pkg, folder = max(holders, key=lambda h: len(h[1].parts), default=(None, None))
+        if pkg is None:
+            missing.append(f"{f.relative_to(ROOT)} (in no listed package)")
+        elif f.suffix == ".py":
+            if f.parent != folder:
+                missing.append(f"{f.relative_to(ROOT)} (its folder is no listed package)")
+        elif not _shipped(f.relative_to(folder), tool.get("package-data", {}).get(pkg, [])):
+            missing.append(f"{f.relative_to(ROOT)} (no package-data pattern of {pkg})")
+    assert not missing, "a wheel would leave out: " + "; ".join(missing)
