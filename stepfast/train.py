@@ -407,8 +407,10 @@ class Trainer:
         except BaseException as exc:
             if self.main:
                 latest = checkpoint.latest(self.out)
-                print(f"\nstepfast: training stopped at iteration {it}: {type(exc).__name__}: {exc}\n"
-                      f"stepfast: last checkpoint: {latest or 'none'}", file=sys.stderr)  # fmt: skip
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # Ctrl-C has no message
+                resume = "; resume=auto (the same command and output_dir) continues from it" if latest else ""
+                print(f"\nstepfast: training stopped at iteration {it}: {why}\n"
+                      f"stepfast: last checkpoint: {latest or 'none'}{resume}", file=sys.stderr)  # fmt: skip
                 exc.stepfast_reported = True  # main() does not say it again; another rank's own error it does
             # the batches still queued for the reward are dropped: scored at exit, against a reward
             # server that has died, each would wait out its retries before the process could end

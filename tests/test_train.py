@@ -245,8 +245,10 @@ def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_pa
     returncode = signal_after_checkpoint_2(write_config(tmp_path / "cfg.yaml", cfg), out, signal.SIGINT, err)
     stderr = err.read_text()
     assert returncode == 130, stderr[-3000:]
-    assert "stepfast: training stopped at iteration " in stderr and ": KeyboardInterrupt" in stderr
-    assert f"stepfast: last checkpoint: {out / 'checkpoints' / 'checkpoint-0000'}" in stderr  # 2, or one after it
+    # the exception's name alone (Ctrl-C has no message), where to go on from and how
+    assert re.search(r"stepfast: training stopped at iteration \d+: KeyboardInterrupt\n", stderr), stderr[-3000:]
+    last = re.search(r"stepfast: last checkpoint: (\S+); resume=auto \(the same command and output_dir\) continues", stderr)
+    assert last and Path(last[1]).parent == out / "checkpoints" and Path(last[1]).name >= "checkpoint-000002"
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
