@@ -155,11 +155,23 @@ def tag_problem(records: list[PromptRecord], source) -> str | None:
     return None
 
 
+def untagged_problem(records: list[PromptRecord], source) -> str | None:
+    """rollout.balance_categories draws each group from a category: the first prompt with no GenEval
+    'tag' to draw it by, as `path:line`, with how to train without; else None."""
+    for record in records:
+        if not (record.metadata or {}).get("tag"):
+            return (f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
+                    f"*_metadata.jsonl); line {record.line} of {resolve_prompt_file(source)} ({record.prompt!r}) "
+                    f"has none (rollout.balance_categories=false balances none)")  # fmt: skip
+    return None
+
+
 def check_before_start(cfg) -> PromptFiles:
     """What can be checked from the files alone, before the process group (and a first start's build
     of DeepSpeed's op) and the model: a ConfigError naming output_dir when the run could not write
     there or a new run would write over one, resume when its checkpoint is not there, model.path
-    when it holds no SD3 pipeline, or a prompt file that cannot be read (its line). Returns the
+    when it holds no SD3 pipeline, or a prompt file that cannot be read or has no category to balance
+(its line). Returns the
     prompt files read. (Reward names are checked with the configuration, before, by
     `check_reward_names`.) Every such setting at fault is named in the one error, so that a preset
     whose paths are all elsewhere on this machine is fixed in one go."""
@@ -185,6 +197,9 @@ def check_before_start(cfg) -> PromptFiles:
         else:
             if problem := tag_problem(read[key], source):
                 errors.append(f"{key}: {problem}")
+            elif key == "rollout.prompts" and cfg.rollout.balance_categories:
+                if problem := untagged_problem(read[key], source):
+                    errors.append(problem)
     errors += missing_reward_paths(cfg)
     try:
         check_creatable_dir(cfg.output_dir)

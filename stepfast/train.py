@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from stepfast import checkpoint, grpo, heldout, runfolder
 from stepfast.config import ConfigError, config_warnings, load_config, to_dict, to_yaml
-from stepfast.data.prompts import PromptRecord, resolve_prompt_file
+from stepfast.data.prompts import PromptRecord
 from stepfast.data.sampler import KRepeatSampler
 from stepfast.ema import EMA
 from stepfast.engine import (
@@ -49,7 +49,7 @@ from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
     PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of,
+    check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of, untagged_problem,
 )
 
 
@@ -188,13 +188,10 @@ class Trainer:
         """The category of each prompt when rollout.balance_categories is on."""
         if not self.cfg.rollout.balance_categories:
             return None
-        for record in self.prompts:  # a tag there but not text is named at start (startup.tag_problem)
-            if not (record.metadata or {}).get("tag"):
-                raise ConfigError(
-                    f"rollout.balance_categories=true needs a 'tag' in every prompt's metadata (GenEval "
-                    f"*_metadata.jsonl); line {record.line} of {resolve_prompt_file(self.cfg.rollout.prompts)} "
-                    f"({record.prompt!r}) has none (rollout.balance_categories=false balances none)"
-                )
+        # found at start (startup.check_before_start), before the process group; again here for a
+        # Trainer built without that start
+        if problem := untagged_problem(self.prompts, self.cfg.rollout.prompts):
+            raise ConfigError(problem)
         return [record.metadata["tag"] for record in self.prompts]
 
     def resume(self) -> None:

@@ -1270,13 +1270,30 @@ def test_the_start_checks_read_the_time_grid_as_the_trainer_does(model_dir, tmp_
     assert scheduler_shift(model) == grid_shift(load_pipeline(model).scheduler.config) == (shift or 1.0)
 
 
-def test_balanced_categories_need_a_tag_on_every_prompt(model_dir, tmp_path):
+def test_balanced_categories_need_a_tag_on_every_prompt_before_the_start(model_dir, tmp_path, start):
+    """Named with the other settings the files show at fault, before the process group (and a first
+    start's build of DeepSpeed's op): the default preset balances categories."""
     prompts = tmp_path / "prompts_metadata.jsonl"
     prompts.write_text('{"prompt": "a photo of a circle", "tag": "single_object"}\n\n{"prompt": "a photo of a square"}\n')
     cfg = base_config(model_dir, tmp_path / "run", rollout={"prompts": str(prompts), "balance_categories": True})
-    proc = train(write_config(tmp_path / "cfg.yaml", cfg), check=False)
-    assert proc.returncode == 2
-    assert f"line 3 of {prompts} ('a photo of a square') has none" in proc.stderr  # its line, not its count
+    code, err = start(write_config(tmp_path / "cfg.yaml", cfg), f"model.path={tmp_path / 'nothing'}")
+    assert code == 2
+    assert "2 settings name what cannot be used here" in err and "model.path" in err
+    assert f"line 3 of {prompts} ('a photo of a square') has none" in err  # its line, not its count
+
+
+def test_a_trainer_built_without_the_start_checks_refuses_untagged_prompts_too(model_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from stepfast.data.prompts import load_prompts
+    from stepfast.train import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a circle\n")
+    cfg = load_config("default", [f"rollout.prompts={prompts}"])  # which balances categories
+    trainer = SimpleNamespace(cfg=cfg, prompts=load_prompts(str(prompts)))
+    with pytest.raises(ConfigError, match=f"line 1 of {re.escape(str(prompts))}"):
+        Trainer._strata(trainer)
 
 
 @pytest.mark.parametrize("setting", ["rollout.prompts", "eval.prompts"])
