@@ -94,7 +94,8 @@ def keep_other_config(out: Path, text: str) -> None:
 def set_aside_later_evaluations(out: Path, start: int) -> None:
     """A run resumed to train on from iteration `start`: the evaluations a previous attempt wrote of
     later weights (the one after training of a run that ended at the resumed checkpoint, its sample
-    grid, the evaluation curve and the summary that show them; those between iterations past it)
+    grid, the evaluation curve; those between iterations past it) and the summary of the training
+    that went on past it (the one a finished run wrote, with or without evaluations)
     would stand in this run's report until replaced, and past a crash they would not be. Each is
     kept as <name>-before-<start> (-2, -3, ... when an earlier resume at `start` kept one), which the
     report does not read; a kept summary names the kept files."""
@@ -115,7 +116,7 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
         write_atomically(summary, lambda tmp: tmp.write_text(text))
         moved[report / "summary.md"] = summary
     if moved:
-        print(f"stepfast: the evaluations of weights past iteration {start - 1} that {out} held are kept as "
+        print(f"stepfast: the report and evaluations of weights past iteration {start - 1} that {out} held are kept as "
               f"{', '.join(str(kept.relative_to(out)) for kept in moved.values())}: this run draws its own")
 
 

@@ -643,7 +643,7 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     proc = train(config, "resume=auto", "iterations=3")
     # the first attempt's evaluation after training (of iteration 1's weights) is set aside, not lost:
     # had this run crashed, its report would have shown it as the evaluation after training
-    assert (f"the evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
+    assert (f"the report and evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
             "report/eval_curve-before-2.png, report/samples_after-before-2.png, report/summary-before-2.md: this "
             "run draws its own") in proc.stdout, proc.stdout[-2000:]  # fmt: skip
     for name, data in ended.items():
