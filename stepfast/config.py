@@ -581,8 +581,12 @@ def validate(cfg: Config) -> None:
 
 def _check_choices(cfg: Config) -> None:
     """Keys that name one of a fixed set (sampler, credit, dtypes, ZeRO stage)."""
+    trainable = tuple(s for s in SAMPLERS if s != "ode")
+    if cfg.sampler == "ode":
+        raise ConfigError(f"sampler: 'ode' is deterministic, so no step has a log-probability to train (evaluation "
+                          f"samples with it); choose one of {', '.join(trainable)}")  # fmt: skip
     choices = {
-        "sampler": SAMPLERS,
+        "sampler": trainable,  # a guess at a mistyped name offers only what can train
         "credit": CREDIT_ESTIMATORS,
         "sde.logprob": LOGPROB_CONVENTIONS,
         "credit_opts.step_weights": STEP_WEIGHTS,
@@ -598,10 +602,6 @@ def _check_choices(cfg: Config) -> None:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}{hint}")
     if cfg.optim.zero_stage not in (1, 2, 3):
         raise ConfigError(f"optim.zero_stage: {cfg.optim.zero_stage} is not 1, 2 or 3")
-    if cfg.sampler == "ode":
-        trainable = ", ".join(s for s in SAMPLERS if s != "ode")
-        raise ConfigError(f"sampler: 'ode' is deterministic, so no step has a log-probability to train (evaluation "
-                          f"samples with it); choose one of {trainable}")  # fmt: skip
 
 
 #: Credits whose statistics are over a group's members only (per step or per trajectory).
