@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     topped_up = images > len(metadata) * args.seeds  # --min-images added seeds somewhere
     print(
         f"{len(metadata)} prompt{'s' * (len(metadata) != 1)} x {args.seeds}{'+' * topped_up} "
-        f"seed{'s' * (args.seeds != 1 or topped_up)} ({images} image{'s' * (images != 1)}), {args.steps} steps, "
+        f"seed{'s' * (args.seeds != 1 or topped_up)} ({images} image{'s' * (images != 1)}), "
+        f"{args.steps} step{'s' * (args.steps != 1)}, "
         f"cfg {args.cfg}: "
         f"sampling {result['seconds']['sampling']:.1f} s, scoring {result['seconds']['scoring']:.1f} s"
     )

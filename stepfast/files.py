@@ -59,11 +59,11 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     try:
         write(tmp)
         sync(tmp)
+        tmp.replace(path)  # refused where `path` is a folder: the .tmp goes too
     except BaseException:
         with contextlib.suppress(OSError):  # the write's own error is the one to see
             tmp.unlink(missing_ok=True)
         raise
-    tmp.replace(path)
     sync_folder(path.parent)
 
 

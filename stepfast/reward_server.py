@@ -578,6 +578,10 @@ def main(argv: list[str] | None = None) -> None:
             rewards.update(load_rewards(names, options))
         except ValueError as exc:
             fail(str(exc))
+        except KeyboardInterrupt:  # Ctrl-C while a model loads: a line, not a traceback from inside it
+            print("\nstepfast reward server: interrupted while loading the rewards", file=sys.stderr)
+            server.server_close()
+            return 130
         try:
             server.server_activate()
         except OSError as exc:

@@ -2,6 +2,7 @@
 
     python -m stepfast.value_check [--config default] [key=value ...] [--prompts 12] [--members N]
                                    [--continuations 8] [--substeps 3,10] [--lora DIR] [--out FILE.json]
+                                   [--overwrite]
 
 Stepwise credit scores each state x_j of a trajectory by the reward of its clean estimate (T' Euler
 substeps to t = 0) and credits step j with the change of that reward. The credit is right where the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--out", default=None, help="also write the tables as JSON to this file")
+    p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     args = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -258,6 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         p.error(f"--out: folder {out.parent} does not exist")
+    if out is not None and out.is_dir():
+        p.error(f"--out: {out} is a folder; give a file name (such as {out / 'value_check.json'})")
+    if out is not None and out.exists() and not args.overwrite:
+        p.error(f"--out: {out} already exists: give another --out, or --overwrite to replace it")
     try:
         device = check_device(args.device)
         reward = build_reward(cfg, device)
@@ -294,5 +301,16 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m stepfast.value_check`: main(), with Ctrl-C a line, not a traceback (--out is
+    written at the end, so nothing is half-written), and exit status 130."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("\npython -m stepfast.value_check: interrupted (--out is written at the end)", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

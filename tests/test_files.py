@@ -63,6 +63,16 @@ def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
     assert path.read_text() == "iteration,reward\n" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
 
 
+def test_a_write_over_a_folder_fails_and_leaves_no_tmp(tmp_path):
+    from stepfast.files import write_atomically
+
+    folder = tmp_path / "out.json"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_atomically(folder, lambda tmp: tmp.write_text("{}"))
+    assert folder.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names the synced files through /proc")
 def test_a_file_written_whole_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
     from stepfast.files import write_atomically

@@ -621,6 +621,26 @@ def test_command_line_port_in_use_is_an_error():
     assert_cli_error(proc, f"cannot listen on 127.0.0.1:{port}", "Address already in use", "--port")
 
 
+def test_ctrl_c_while_the_rewards_load_is_one_line_and_frees_the_port(monkeypatch, capsys):
+    """A model reward can take minutes to load, the moment Ctrl-C is most likely: a line, exit 130,
+    and the port bound before loading is let go."""
+    import stepfast.reward_server as reward_server
+
+    bound = []
+
+    def interrupted(names, options):
+        raise KeyboardInterrupt
+
+    close = RewardServer.server_close
+    monkeypatch.setattr(reward_server, "load_rewards", interrupted)
+    monkeypatch.setattr(RewardServer, "server_close", lambda self: bound.append(self.server_address) or close(self))
+    assert reward_server.main(["--rewards", "shapes", "--port", "0"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "stepfast reward server: loading shapes ...\n"
+    assert err == "\nstepfast reward server: interrupted while loading the rewards\n"
+    assert bound and bound[0][1] > 0  # closed once bound (to the free port 0 picked)
+
+
 def test_batched_requests_keep_their_own_metadata_with_and_without_it():
     """Requests with metadata and without it, scored in one reward call cut in batch_size chunks:
     each image is scored with its own record (None for a request that sent none)."""

@@ -165,6 +165,40 @@ def test_bad_input_is_named_before_anything_is_drawn(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_out_that_is_a_folder_or_a_file_already_there_is_refused_before_anything_is_drawn(tmp_path, capsys):
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(folder)])
+    assert exc.value.code == 2
+    assert f"--out: {folder} is a folder; give a file name" in capsys.readouterr().err
+    earlier = tmp_path / "value.json"
+    earlier.write_text('{"earlier": 1}')
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(earlier)])
+    assert exc.value.code == 2
+    assert f"--out: {earlier} already exists: give another --out, or --overwrite" in capsys.readouterr().err
+    assert earlier.read_text() == '{"earlier": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["tables", "value.json"]
+
+
+def test_overwrite_replaces_an_earlier_file(tmp_path, tiny_model):
+    out = tmp_path / "value.json"
+    out.write_text('{"earlier": 1}')
+    check(tmp_path, tiny_model, "--out", str(out), "--overwrite")
+    assert "states" in json.loads(out.read_text())
+
+
+def test_ctrl_c_in_the_command_is_one_line(monkeypatch, capsys):
+    import stepfast.value_check as value_check
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(value_check, "main", interrupted)
+    assert value_check.cli([]) == 130
+    assert capsys.readouterr().err == "\npython -m stepfast.value_check: interrupted (--out is written at the end)\n"
+
+
 def test_a_prompt_the_reward_cannot_score_is_named_by_its_line(tmp_path, capsys):
     file = tmp_path / "prompts.txt"
     file.write_text("a photo of a red circle\na photo of a dog\n")
