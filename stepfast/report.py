@@ -62,8 +62,11 @@ def reward_curve(rows: list[dict], path: Path) -> None:
                 it, r = it[k - 1:], mean
                 windows.add(k)
             ax.plot(it, r, color=f"C{(n + 2) % 10}", label=key.split("/", 1)[1])
-        window = "" if not windows else f" of {'-'.join(str(w) for w in sorted({min(windows), max(windows)}))}"
-        ax.set_title(f"By prompt category: trailing mean{window} of the iterations that drew it", fontsize=9)
+        if windows:
+            window = "-".join(str(w) for w in sorted({min(windows), max(windows)}))
+            ax.set_title(f"By prompt category: trailing mean of {window} of the iterations that drew it", fontsize=9)
+        else:  # too few points in every category for a mean: each as drawn
+            ax.set_title("By prompt category: the iterations that drew it", fontsize=9)
         ax.set_xlabel("iteration")
         ax.set_ylabel("reward")
         ax.yaxis.set_tick_params(labelleft=True)
@@ -106,7 +109,7 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
         ax.set_ylim(0, 1)
     ax.set_xlabel("iteration (0: before training)")
     ax.set_ylabel("held-out score")
-    line = "" if gain is None else f"\nbefore -> after: {gain['gain']:+.3f}" + (
+    line = "" if gain is None else f"\nstrict, before -> after: {gain['gain']:+.3f}" + (
         f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
     ax.set_title(f"Held-out overall (mean of the categories){line}", fontsize=9)
     ax.legend(fontsize=8)
@@ -215,8 +218,9 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
         if gain is None or gain["se"] is None:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
-            if gain is None and (line := gain_line(evals)):
-                lines += [line[0].upper() + line[1:] + ".", ""]
+            if line := gain_line(evals):  # why there is no standard error, or no gain
+                note = control_note(cfg) if gain is not None else ""
+                lines += [line[0].upper() + line[1:] + "." + note, ""]
         else:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "

@@ -95,12 +95,14 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     """A run resumed to train on from iteration `start`: the evaluations a previous attempt wrote of
     later weights (the one after training of a run that ended at the resumed checkpoint, its sample
     grid, the evaluation curve; those between iterations past it) and the summary of the training
-    that went on past it (the one a finished run wrote, with or without evaluations)
+    that went on past it (the one a finished run wrote, with or without evaluations, and its reward
+    and gain plots)
     would stand in this run's report until replaced, and past a crash they would not be. Each is
     kept as <name>-before-<start> (-2, -3, ... when an earlier resume at `start` kept one), which the
     report does not read; a kept summary names the kept files."""
     report = out / "report"
-    later = [out / "eval_after.json", report / "samples_after.png", report / "eval_curve.png", report / "summary.md"]
+    later = [out / "eval_after.json", report / "samples_after.png", report / "eval_curve.png", report / "summary.md",
+             report / "reward_curve.png", report / "gain_heatmap.png"]  # the summary's own plots, redrawn at the end
     later += [p for p in out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
     moved = {}
     for path in sorted(p for p in later if p.is_file()):

@@ -638,23 +638,27 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     report = out / "report"
     grid = (report / "samples_before.png").read_bytes()
     ended = {name: (out / name).read_bytes() for name in ("eval_after.json", "report/samples_after.png",
-                                                          "report/eval_curve.png")}  # fmt: skip
+                                                          "report/eval_curve.png", "report/reward_curve.png",
+                                                          "report/gain_heatmap.png")}  # fmt: skip
     summary = (report / "summary.md").read_text()
     proc = train(config, "resume=auto", "iterations=3")
     # the first attempt's evaluation after training (of iteration 1's weights) is set aside, not lost:
     # had this run crashed, its report would have shown it as the evaluation after training
     assert (f"the report and evaluations of weights past iteration 1 that {out} held are kept as eval_after-before-2.json, "
-            "report/eval_curve-before-2.png, report/samples_after-before-2.png, report/summary-before-2.md: this "
+            "report/eval_curve-before-2.png, report/gain_heatmap-before-2.png, report/reward_curve-before-2.png, "
+            "report/samples_after-before-2.png, report/summary-before-2.md: this "
             "run draws its own") in proc.stdout, proc.stdout[-2000:]  # fmt: skip
     for name, data in ended.items():
         kept = out / name.replace(".", "-before-2.")
         assert kept.read_bytes() == data and (out / name).read_bytes() != data
     # the kept summary shows the kept files
     kept = (report / "summary-before-2.md").read_text()
-    for name in ("eval_after.json", "samples_after.png", "eval_curve.png"):
+    for name in ("eval_after.json", "samples_after.png", "eval_curve.png", "reward_curve.png", "gain_heatmap.png"):
         assert name in summary and name.replace(".", "-before-2.") in kept and name not in kept, name
-    # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error
+    # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error; the
+    # summary says so as the run does, and how to read the gain (beside the random control)
     assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
+    assert "Held-out gain " in kept and "(one image a category: no standard error). The same run on the `random`" in kept
     rows = metrics(out)
     assert [r["eval/strict"] is not None for r in rows] == [False, True, False]
     evaluated = json.loads((out / "eval_iter000002.json").read_text())
