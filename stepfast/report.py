@@ -34,6 +34,15 @@ def _moving_mean(values: np.ndarray, parts: int = 10) -> tuple[int, np.ndarray]:
     return k, np.convolve(values, np.ones(k) / k, mode="valid")
 
 
+def _iteration_axis(ax, label: str = "iteration") -> None:
+    """An x axis of iterations: labelled, and ticked only at whole iterations (a short run's axis
+    would otherwise read 0.5, 1.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel(label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def reward_curve(rows: list[dict], path: Path) -> None:
     """The train reward over iterations, with its trailing mean; with tagged prompts (GenEval
     categories), a second panel on the same scale with each category's reward, a trailing mean over
@@ -49,7 +58,7 @@ def reward_curve(rows: list[dict], path: Path) -> None:
         k, mean = _moving_mean(r)
         ax.plot(it[k - 1:], mean, color="C0", linewidth=2, label=f"trailing mean, {k} iterations")
     ax.set_title("Train reward (mean over the iteration's final images)", fontsize=9)
-    ax.set_xlabel("iteration")
+    _iteration_axis(ax)
     ax.set_ylabel("reward")
     ax.legend(fontsize=8)
     if categories:
@@ -67,7 +76,7 @@ def reward_curve(rows: list[dict], path: Path) -> None:
             ax.set_title(f"By prompt category: trailing mean of {window} of the iterations that drew it", fontsize=9)
         else:  # too few points in every category for a mean: each as drawn
             ax.set_title("By prompt category: the iterations that drew it", fontsize=9)
-        ax.set_xlabel("iteration")
+        _iteration_axis(ax)
         ax.set_ylabel("reward")
         ax.yaxis.set_tick_params(labelleft=True)
         ax.legend(fontsize=7)
@@ -107,7 +116,7 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
     ax.plot(np.array(xs)[order], np.array(score)[order], "s" + ("--" if style else ""), label="overall (partial score)")
     if all(0 <= v <= 1 for v in [*strict, *score] if v == v):  # pass rates and [0, 1] scores: their whole range
         ax.set_ylim(0, 1)
-    ax.set_xlabel("iteration (0: before training)")
+    _iteration_axis(ax, "iteration (0: before training)")
     ax.set_ylabel("held-out score")
     line = "" if gain is None else f"\nstrict, before -> after: {gain['gain']:+.3f}" + (
         f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
@@ -147,7 +156,7 @@ def gain_heatmap(rows: list[dict], path: Path, trained: list[int] | None = None)
     if untrained:
         title += f"\nhatched: not trained (deterministic, below sde.min_std or outside the window): {untrained}"
     ax.set_title(title, fontsize=9)
-    ax.set_xlabel("iteration")
+    _iteration_axis(ax)
     ax.set_ylabel("denoising step j (x_j -> x_j+1)")
     fig.colorbar(im, ax=ax, label="mean |gain|")
     fig.tight_layout()

@@ -273,3 +273,24 @@ def test_the_evaluate_command_is_given_only_where_it_draws_the_evaluation_again(
     assert command("eval.reward=jpeg_compressibility") is None
     assert command("reward.options.shapes.threshold=0.3") is None and command("model.dtype=bf16") is None
     assert command("reward.options.shapes.device=cpu") is not None
+
+
+def test_the_plots_of_a_short_run_tick_whole_iterations(monkeypatch, tmp_path):
+    """Two or three iterations would be ticked at 0.25, 0.5, ... by matplotlib's default locator."""
+    import matplotlib.figure
+
+    from stepfast.report import eval_curve, gain_heatmap, reward_curve
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    rows = [{"iteration": it, "reward": 0.1 * it, "category/colors": 0.2 * it, "gain/0": 0.3, "gain/1": 0.1}
+            for it in (1, 2)]  # fmt: skip
+    rng = np.random.default_rng(0)
+    reward_curve(rows, tmp_path / "r.png")
+    gain_heatmap(rows, tmp_path / "g.png")
+    eval_curve({"before": evaluation(rng), "after": evaluation(rng)}, 2, tmp_path / "e.png")
+    axes = [ax for fig in saved for ax in fig.axes if ax.get_xlabel().startswith("iteration")]
+    assert len(axes) == 4  # two reward panels, the heatmap, the eval curve (not the colour bar)
+    for ax in axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)

@@ -225,8 +225,8 @@ def load_lora(pipe, path: str | Path, adapter_name: str = "default"):
         if mismatched:  # torch lists every tensor; one says what is wrong
             raise ValueError(
                 f"cannot load LoRA weights {file} onto this {type(pipe).__name__}: {len(mismatched)} of their "
-                f"tensors have other shapes than the model's, the first: {mismatched[0]} Were they trained "
-                "on another model?"
+                f"tensors {'has' if len(mismatched) == 1 else 'have'} other shapes than the model's, the first: "
+                f"{mismatched[0]} Were they trained on another model?"
             ) from exc
         raise ValueError(f"cannot load LoRA weights {file} onto {type(pipe).__name__}: {exc}") from exc
     finally:
