@@ -99,7 +99,8 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     and gain plots)
     would stand in this run's report until replaced, and past a crash they would not be. Each is
     kept as <name>-before-<start> (-2, -3, ... when an earlier resume at `start` kept one), which the
-    report does not read; a kept summary names the kept files."""
+    report does not read; a kept summary names the kept files, and says when it was set aside and that
+    the checkpoints it names may be gone."""
     report = out / "report"
     later = [out / "eval_after.json", report / "samples_after.png", report / "eval_curve.png", report / "summary.md",
              report / "reward_curve.png", report / "gain_heatmap.png"]  # the summary's own plots, redrawn at the end
@@ -115,6 +116,10 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
         text = summary.read_text(errors="replace")
         for path, kept in moved.items():
             text = text.replace(path.name, kept.name)
+        text = text.rstrip("\n") + (
+            f"\n\n---\n\nSet aside when the run was resumed to train on from iteration {start - 1}: the run went on "
+            "past these results. The checkpoints it names go as the resumed run writes newer ones "
+            "(`keep_checkpoints`), unless they are moved out of the run folder first.\n")
         write_atomically(summary, lambda tmp: tmp.write_text(text))
         moved[report / "summary.md"] = summary
     if moved:

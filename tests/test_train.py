@@ -655,6 +655,9 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     kept = (report / "summary-before-2.md").read_text()
     for name in ("eval_after.json", "samples_after.png", "eval_curve.png", "reward_curve.png", "gain_heatmap.png"):
         assert name in summary and name.replace(".", "-before-2.") in kept and name not in kept, name
+    # and says when it was set aside, and that the checkpoints it names go as the resumed run prunes
+    assert "Set aside when the run was resumed to train on from iteration 1: " in kept
+    assert "(`keep_checkpoints`)" in kept and "Set aside" not in summary
     # 3 prompts of 3 categories, 1 seed: the gain has nothing to redraw for a standard error; the
     # summary says so as the run does, and how to read the gain (beside the random control)
     assert "(one image a category: no standard error)" in proc.stdout, proc.stdout[-2000:]
