@@ -1,8 +1,8 @@
 """How well do the clean-image estimates that stepwise credit rewards predict what a state leads to?
 
     python -m stepfast.value_check [--config default] [key=value ...] [--prompts 12] [--members N]
-                                   [--continuations 8] [--substeps 3,10] [--lora DIR] [--out FILE.json]
-                                   [--overwrite]
+                                   [--continuations 8] [--substeps 3,10] [--lora DIR] [--seed N]
+                                   [--out FILE.json] [--overwrite]
 
 Stepwise credit scores each state x_j of a trajectory by the reward of its clean estimate (T' Euler
 substeps to t = 0) and credits step j with the change of that reward. The credit is right where the
@@ -38,7 +38,7 @@ from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import PromptRecord, load_prompts
 from stepfast.files import write_atomically
 from stepfast.grpo import sde_params
-from stepfast.models import check_device, load_lora, load_pipeline
+from stepfast.models import check_device, load_lora, load_pipeline, lora_weights_file
 from stepfast.policy import (
     DTYPES, check_resolution, decode, encode_prompts, grid_shift, latent_shape, resolve_model_path, velocity,
 )
@@ -186,7 +186,7 @@ def measure(pipe, reward, records: list[PromptRecord], cfg, members: int, contin
             out = reward.score(images, [record.prompt] * n, [record.metadata] * n if record.metadata else None)
             return torch.as_tensor(out["score"]).double().cpu().numpy()
 
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + g)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + g) & (2**63 - 1))  # any seed < 2**63
         shape = latent_shape(pipe, 1 if cfg.rollout.same_latent else members, cfg.rollout.resolution)
         x0 = torch.randn(shape, generator=gen).expand(members, *shape[1:]).contiguous().to(device)
         groups.append(draw_group(sampler, vel_for, x0, continuations, substeps, score, gen, batch_size))
@@ -204,6 +204,20 @@ def _whole(minimum: int):
         return value
 
     return parse
+
+
+def _seed(text: str) -> int:
+    value = _whole(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63 (a 64-bit generator seed), got {value}")
+    return value
+
+
+def _path(value: str) -> str:
+    """A path argument: an empty one (a shell variable unset in a script) would write nothing, silently."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return value
 
 
 def _substeps(text: str) -> list[int]:
@@ -243,30 +257,43 @@ def main(argv: list[str] | None = None) -> dict:
                    help="draws of the rest of the rollout a state, at least 2 (default: 8)")
     p.add_argument("--substeps", type=_substeps, default=None,
                    help="T' values to compare, e.g. 3,10 (default: rollout.substeps)")
-    p.add_argument("--lora", default=None, help="LoRA weights to load first (a checkpoint's lora/ folder)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the noise drawn (default: 0)")
+    p.add_argument("--lora", type=_path, default=None, help="LoRA weights to load first (a checkpoint's lora/ folder)")
+    p.add_argument("--seed", type=_seed, default=None, help="seed of the noise drawn (default: the config's seed)")
     p.add_argument("--batch-size", type=_whole(1), default=64,
                    help="latents a continuation or decode call (default: 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
-    p.add_argument("--out", default=None, help="also write the tables as JSON to this file")
+    p.add_argument("--out", type=_path, default=None, help="also write the tables as JSON to this file")
     p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     args = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         check_reward_names(cfg)
-        records = load_prompts(cfg.rollout.prompts)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         p.error(str(exc))
-    out = Path(args.out) if args.out else None
+    try:
+        records = load_prompts(cfg.rollout.prompts)
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(f"rollout.prompts: {exc}")
+    seed = cfg.seed if args.seed is None else args.seed
+    out = Path(args.out) if args.out is not None else None
     if out is not None and not out.parent.is_dir():
-        p.error(f"--out: folder {out.parent} does not exist")
+        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
+        p.error(f"--out: folder {out.parent} {what}")
     if out is not None and out.is_dir():
         p.error(f"--out: {out} is a folder; give a file name (such as {out / 'value_check.json'})")
     if out is not None and out.exists() and not args.overwrite:
         p.error(f"--out: {out} already exists: give another --out, or --overwrite to replace it")
+    if args.lora is not None:  # before the model loads: a mistyped path is seen at once
+        try:
+            lora_weights_file(args.lora)
+        except (FileNotFoundError, ValueError) as exc:
+            p.error(f"--lora: {exc}")
     try:
         device = check_device(args.device)
+    except ValueError as exc:
+        p.error(f"--device: {exc}")
+    try:
         reward = build_reward(cfg, device)
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))
@@ -282,18 +309,24 @@ def main(argv: list[str] | None = None) -> dict:
     records = [records[i] for i in heldout.spread_indices(tags, args.prompts)]
     try:
         pipe = load_pipeline(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype], device=device)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        p.error(f"model.path: {exc}")
+    try:
         check_resolution(pipe, cfg.rollout.resolution, "rollout.resolution")
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
         if args.lora:
             load_lora(pipe, args.lora)
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        p.error(str(exc))
+        p.error(f"--lora: {exc}")
     substeps = args.substeps or [cfg.rollout.substeps]
     members = args.members or cfg.rollout.group_size
-    summary = measure(pipe, reward, records, cfg, members, args.continuations, substeps, args.seed, args.batch_size)
+    summary = measure(pipe, reward, records, cfg, members, args.continuations, substeps, seed, args.batch_size)
     summary["settings"] = {"config": args.config, "overrides": args.overrides,
                            "prompts": [r.prompt for r in records], "members": members,
                            "continuations": args.continuations, "substeps": substeps, "lora": args.lora,
-                           "seed": args.seed}  # fmt: skip
+                           "seed": seed}  # fmt: skip
     print(format_tables(summary, substeps))
     if out is not None:
         write_atomically(out, lambda tmp: tmp.write_text(json.dumps(_json_safe(summary), indent=1)))

@@ -157,6 +157,13 @@ def test_value_check_follows_the_configs_sampler(tmp_path, tiny_model):
     (["--substeps", "3,x"], "comma-separated whole numbers"),
     (["optim.lrr=1"], "optim.lr"),
     (["--out", "/nonexistent-folder/v.json"], "--out: folder /nonexistent-folder does not exist"),
+    (["--out", ""], "argument --out: an empty path"),
+    (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["--seed", str(2**64)], "argument --seed: must be below 2**63"),
+    (["--lora", "/nonexistent-lora"], "--lora: LoRA weights /nonexistent-lora do not exist"),
+    (["--device", "gpu"], "--device: 'gpu'"),
+    (["rollout.prompts=/nonexistent-prompts.txt"], "rollout.prompts: "),
+    (["model.path=/nonexistent-model"], "model.path: "),
 ])  # fmt: skip
 def test_bad_input_is_named_before_anything_is_drawn(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -179,6 +186,25 @@ def test_an_out_that_is_a_folder_or_a_file_already_there_is_refused_before_anyth
     assert exc.value.code == 2
     assert f"--out: {earlier} already exists: give another --out, or --overwrite" in capsys.readouterr().err
     assert earlier.read_text() == '{"earlier": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["tables", "value.json"]
+
+
+def test_an_out_under_a_file_says_so(tmp_path, capsys):
+    (tmp_path / "afile").write_text("kept")
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "afile" / "v.json")])
+    assert exc.value.code == 2
+    assert f"--out: folder {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "kept"
+
+
+def test_the_configs_seed_is_the_default_and_any_64_bit_seed_draws(tmp_path, tiny_model):
+    """The noise of prompt g is seeded from (seed, g): a seed near 2**63 overflowed the generator's
+    seed; `seed=` (the config's) is the default of --seed, which replaces it."""
+    big = 2**63 - 1
+    summary = check(tmp_path, tiny_model, f"seed={big}", "--prompts", "1", "--members", "2")
+    assert summary["settings"]["seed"] == big
+    assert check(tmp_path, tiny_model, f"seed={big}", "--seed", "4", "--prompts", "1",
+                 "--members", "2")["settings"]["seed"] == 4  # fmt: skip
 
 
 def test_overwrite_replaces_an_earlier_file(tmp_path, tiny_model):
