@@ -218,6 +218,18 @@ def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
 
 
+def yaml_problem(exc: yaml.YAMLError, where: str = "line") -> str:
+    """A YAML error in one line, where PyYAML gives several and names the text "<unicode string>":
+    `line 3, column 1: expected the node content, but found '<stream end>'`. `where="column"` leaves
+    the line out (an override's value is one line)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    at = f"column {mark.column + 1}" if where == "column" else f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{at}: {problem}"
+
+
 def to_yaml(cfg) -> str:
     """The configuration as YAML that `load_config` reads back to the same configuration."""
     return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False)
@@ -498,7 +510,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: cannot parse the value: {exc}") from None
+        raise ConfigError(f"override {text!r}: cannot parse the value: {yaml_problem(exc, 'column')}") from None
     return key.strip(), value
 
 
@@ -510,7 +522,7 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
         try:
             data = _yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: malformed YAML: {exc}") from None
+            raise ConfigError(f"{path}: malformed YAML: {yaml_problem(exc)}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         try:

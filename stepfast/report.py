@@ -448,6 +448,9 @@ def rebuild_report(run_dir) -> Path:
     from stepfast.startup import trained_steps_of  # the model's time grid, when the model is still there
 
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise RunFolderError(f"{run_dir} is a file, not a run folder (one holds metrics.csv, config.yaml "
+                             "and eval_*.json)")  # fmt: skip
     if not run_dir.is_dir():
         raise RunFolderError(f"no run folder {run_dir}")
     metrics = run_dir / "metrics.csv"
@@ -456,6 +459,8 @@ def rebuild_report(run_dir) -> Path:
                              "config.yaml and eval_*.json)")  # fmt: skip
     rows, cfg, evals = read_metrics(metrics), read_config(run_dir / "config.yaml"), read_evals(run_dir)
     report = run_dir / "report"
+    if report.exists() and not report.is_dir():  # checked before anything is written
+        raise RunFolderError(f"{report} is a file, not the run's report folder: move it away and run again")
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=run_dir))
     except OSError as exc:

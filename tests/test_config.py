@@ -278,8 +278,12 @@ def test_bad_preset_and_yaml(tmp_path):
         load_config("nope")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: [1,\n")
-    with pytest.raises(ConfigError, match="malformed YAML"):
+    with pytest.raises(ConfigError) as err:  # one line, that names the file and the line in it
         load_config(str(bad))
+    assert str(err.value) == f"{bad}: malformed YAML: line 3, column 1: expected the node content, but found '<stream end>'"
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["credit=[a"])
+    assert str(err.value) == "override 'credit=[a': cannot parse the value: column 3: expected ',' or ']', but got '<stream end>'"
     typo = tmp_path / "typo.yaml"
     typo.write_text("rollout:\n  grups: 3\n")
     with pytest.raises(ConfigError, match="typo.yaml: unknown config key 'rollout.grups'; did you mean 'rollout.groups'"):
@@ -292,7 +296,7 @@ def test_bad_preset_and_yaml(tmp_path):
             load_config(str(tmp_path / "listed.yaml"))
         assert message in str(err.value)
     (tmp_path / "twice.yaml").write_text("seed: 1\noptim: {lr: 1.0e-4, lr: 2.0e-4}\n")
-    with pytest.raises(ConfigError, match=r"twice.yaml: malformed YAML: (.|\n)*found the key 'lr' twice"):
+    with pytest.raises(ConfigError, match=r"twice.yaml: malformed YAML: line 2, column 21: found the key 'lr' twice \(first on line 2\)$"):
         load_config(str(tmp_path / "twice.yaml"))
     (tmp_path / "twice.yaml").write_text("iterations: 3\nseed: 1\niterations: 5\n")
     with pytest.raises(ConfigError, match=r"found the key 'iterations' twice \(first on line 1\)"):

@@ -294,3 +294,21 @@ def test_the_plots_of_a_short_run_tick_whole_iterations(monkeypatch, tmp_path):
     for ax in axes:
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+
+
+def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("iteration,reward\n1,0.5\n")
+    assert_cli_error(run_cli(str(path)), str(path), "is a file, not a run folder")
+    assert path.read_text() == "iteration,reward\n1,0.5\n"
+
+
+def test_a_file_where_the_report_folder_goes_is_an_error_and_stays(run):
+    run, _, _ = run
+    for path in sorted((run / "report").iterdir()):
+        path.unlink()
+    (run / "report").rmdir()
+    (run / "report").write_text("my notes\n")
+    assert_cli_error(run_cli(str(run)), str(run / "report"), "is a file, not the run's report folder")
+    assert (run / "report").read_text() == "my notes\n"
+    assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
