@@ -80,6 +80,8 @@ def test_factories_with_options_dotted_paths_and_missing_options(images):
     with pytest.raises(ValueError) as err:  # nothing close: no guess
         rewards.load("shapes", colour="red")
     assert "did you mean" not in str(err.value)
+    # the types as written, not quoted as a module with postponed annotations holds them
+    assert "(threshold: float = 0.35, " in str(err.value) and "exclusive: bool = True" in str(err.value)
     with pytest.raises(ValueError, match=rf"reward '{__name__}:make_darkness_on': .* is not a scoring function"
                                          r".*as a factory it needs options"):  # fmt: skip
         rewards.load(f"{__name__}:make_darkness_on")

@@ -146,7 +146,8 @@ def _check_options(name: str, build, options: dict) -> dict:
             for close in [difflib.get_close_matches(key, takes, n=1, cutoff=0.6)] if close
         ]  # fmt: skip
         hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
-        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {signature}: {exc}{hint}") from None
+        takes = _signature_text(signature, _type_hints(build))
+        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {takes}: {exc}{hint}") from None
     hints = _type_hints(build)
     checked = dict(options)
     for key, value in options.items():
@@ -184,6 +185,13 @@ def _plain(hint) -> tuple[type | None, bool]:
         if len(rest) == 1 and rest[0] in _PLAIN and len(typing.get_args(hint)) == 2:
             return rest[0], True
     return None, False
+
+
+def _signature_text(signature: inspect.Signature, hints: dict) -> str:
+    """`(threshold: float = 0.35, ...)`: the signature with its annotations resolved, where a module
+    with `from __future__ import annotations` shows them quoted (`threshold: 'float' = 0.35`)."""
+    params = [param.replace(annotation=hints.get(name, param.annotation)) for name, param in signature.parameters.items()]
+    return str(signature.replace(parameters=params, return_annotation=inspect.Signature.empty))
 
 
 def _type_hints(build) -> dict:
