@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> Path:
         device = check_device(args.device)
     except ValueError as exc:
         parser.error(f"--device: {exc}")
+    if not str(args.out).strip():  # Path("") is the working folder
+        parser.error("--out: an empty path (an unset shell variable?); give the folder to write the pipeline to")
     out = Path(args.out).resolve()
     try:
         every = cfg.snapshot_every

@@ -133,6 +133,7 @@ def test_pretrain_refuses_to_replace_a_directory_that_is_not_a_pipeline(tmp_path
     ("{tmp}/file/model", [], "--out: cannot create {tmp}/file/model: {tmp}/file is a file"),
     ("{tmp}/m", ["--snapshot-every", "1"], "--out: {tmp}/m-snapshots (where --snapshot-every writes"),
     ("{tmp}/notes", [], "--out: {tmp}/notes.tmp exists and is not a diffusers pipeline directory"),
+    ("", [], "--out: an empty path (an unset shell variable?)"),
 ])  # fmt: skip
 def test_pretrain_names_an_out_path_it_cannot_write_before_any_work(tmp_path, out, extra, message):
     (tmp_path / "file").write_text("keep\n")
