@@ -1,4 +1,4 @@
-# `make test` and `make train` (and `make bench`, `make clean`). Each creates .venv when it is missing.
+# `make test` and `make train` (and `make bench`, `make clean`). All but `clean` create .venv when it is missing.
 # On a machine without a GPU, install the CPU build of torch:
 #   make test TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # (CI leaves out TORCH_INDEX: its pip finds the CPU wheel locally; PyPI's torch is a CUDA build.)

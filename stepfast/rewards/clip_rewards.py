@@ -1,7 +1,7 @@
 """Rewards built on CLIP: PickScore, CLIPScore and the LAION aesthetic predictor.
 
 Weights are read from local paths given in the options (`path`, `mlp_path`); nothing is downloaded.
-Get them once with `huggingface-cli download REPO --local-dir DIR` (see the README):
+Get them once with `hf download REPO --local-dir DIR` (see the README):
 
 - pickscore: `yuvalkirstain/PickScore_v1` (model) and `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`
   (processor; PickScore was trained with that processor), as in Flow-GRPO.
@@ -25,7 +25,7 @@ from stepfast.rewards.paths import require_local
 
 def _require_path(reward: str, option: str, path, source: str) -> str:
     return require_local(reward, option, path, f"local copy of {source}",
-                         hint=f"download {source} there first (huggingface-cli download {source.split()[0]} "
+                         hint=f"download {source} there first (hf download {source.split()[0]} "
                               f"--local-dir {os.fspath(path) if path is not None else ''})")  # fmt: skip
 
 

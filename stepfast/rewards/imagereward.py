@@ -11,7 +11,7 @@ all as local paths (nothing is downloaded):
   `blip.*` head outside the two encoders) are not used by the score and are ignored.
 - `med_config`: `med_config.json` from the same repository (the BERT config of the text encoder).
 - `tokenizer`: a local directory with the `bert-base-uncased` tokenizer files (`vocab.txt` or
-  `tokenizer.json`), e.g. `huggingface-cli download bert-base-uncased vocab.txt tokenizer.json
+  `tokenizer.json`), e.g. `hf download bert-base-uncased vocab.txt tokenizer.json
   tokenizer_config.json --local-dir DIR`. BLIP's special tokens ([DEC] as bos, [ENC] as additional)
   are added to it as BLIP's `init_tokenizer` does.
 
