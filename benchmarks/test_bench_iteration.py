@@ -82,5 +82,10 @@ def test_iteration_time_stepwise_vs_flow_grpo(benchmark, tmp_path):
     ratio = med["default"] / med["flow_grpo"]
     print(f"stepwise (default) / flow_grpo: {ratio:.2f}x per iteration (paper: 1.8-2.4x)")
     print("besides the credit: " + "; ".join(preset_differences(preset) for preset in rows))
-    # the medians are over as many timed iterations as the header says, for both presets
+    # every phase took a measurable, finite time in every timed iteration (a phase skipped or a clock
+    # misread would show as 0, negative or nan), and the medians are over as many timed iterations as
+    # the header says, for both presets
+    bad = [(preset, r["iteration"], k, r[k]) for preset, rs in rows.items() for r in rs
+           for k in ("time/iteration", *(f"time/{p}" for p in PHASES)) if not 0 < r[k] < float("inf")]  # fmt: skip
+    assert not bad, f"times that are not positive and finite: {bad}"
     assert all(len(rs) == (iterations - 1) * repeats for rs in rows.values()), {k: len(v) for k, v in rows.items()}

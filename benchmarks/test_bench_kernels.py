@@ -12,7 +12,8 @@ casts, the mean formula, the log-prob per element then a mean over C, H, W, auto
 `fused`, and `copy`: dst.copy_(src) moving the op's minimal bytes (every input read once, every large
 output written once), the physical limit. pytest-benchmark records each callable; `test_ratio_table`
 times all three side by side (interleaved rounds, one run) and prints medians, 20/80 percentiles and
-the ratios. Acceptance (C++ backend, CPU, float32, (24, 16, 64, 64), logprob_fwd_bwd): eager / fused
+the ratios. Each case first checks that the fused op's outputs equal the eager code's (to 1e-5 of
+their largest entry). Acceptance (C++ backend, CPU, float32, (24, 16, 64, 64), logprob_fwd_bwd): eager / fused
 >= 3 and fused / copy <= 2; the table prints both.
 
 On CUDA the GPU tests also print the kernels' achieved HBM bandwidth (bytes / time / peak, peak from
@@ -108,6 +109,19 @@ def make_case(device: str, shape: tuple[int, ...], op: str) -> tuple[dict, int]:
     return {"eager": eager, "fused": fused, "copy": copy}, nbytes
 
 
+def assert_fused_matches_eager(fns: dict, case: str) -> None:
+    """What is timed computes the same thing: the fused op's outputs (sample and log-prob, log-prob,
+    or grad_v) equal the eager code's to 1e-5 of their largest entry, as tests/test_kernels.py asks
+    of every backend against float64 (about 4e-7 measured here on the CPU at both shapes)."""
+    eager, fused = fns["eager"](), fns["fused"]()
+    pairs = zip(eager, fused) if isinstance(eager, tuple) else [(eager, fused)]
+    for i, (want, got) in enumerate((w, g) for w, g in pairs if w is not None):
+        want, got = want.double(), got.double()
+        assert got.shape == want.shape, f"{case}: output {i} is {tuple(got.shape)}, eager's {tuple(want.shape)}"
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-5, f"{case}: output {i} of the fused op differs from the eager code's by {err:.2e} of its largest entry"
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -150,6 +164,8 @@ CASE_IDS = [(d, s, o, i) for d in DEVICES for s in SHAPES for o in OPS for i in 
 )
 def test_bench(benchmark, device, shape, op, impl):
     fns, nbytes = make_case(device, shape, op)
+    if impl == "fused":
+        assert_fused_matches_eager(fns, f"{device} {shape} {op}")
     fn = fns[impl]
     benchmark.group = f"{device} {'x'.join(map(str, shape))} {op}"
     benchmark.extra_info.update(bytes=nbytes, hardware=hardware(device), backend=select_backend(device))
@@ -171,6 +187,7 @@ def test_ratio_table(device):
         rounds = 25 if shape[-1] <= 64 else 9
         for op in OPS:
             fns, nbytes = make_case(device, shape, op)
+            assert_fused_matches_eager(fns, f"{device} {shape} {op}")
             times = time_side_by_side(fns, device, rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append((shape, op, nbytes, times, med))
