@@ -29,7 +29,7 @@ from stepfast import heldout
 from stepfast.config import ConfigError
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
 from stepfast.data.shapeeval import parse_prompt
-from stepfast.files import check_creatable_dir, write_atomically
+from stepfast.files import check_creatable_dir, path_argument, write_atomically
 from stepfast.models import (
     EMBEDDED_MODEL,
     check_device,
@@ -107,25 +107,17 @@ def write_results(result: dict, out: Path, columns: int) -> None:
         write_atomically(out / name, write)
 
 
-def _path(value: str) -> str:
-    """A path argument: an empty one (a shell variable unset in a script) would mean the current
-    directory, and write there."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
-    return value
-
-
 def main(argv: list[str] | None = None) -> dict:
     from stepfast.config import EvalConfig
 
     parser = argparse.ArgumentParser(prog="python -m stepfast.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=EMBEDDED_MODEL, type=_path,
+    parser.add_argument("--model", default=EMBEDDED_MODEL, type=path_argument,
                         help="diffusers SD3 pipeline directory (default: the embedded model)")
     weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--lora", default=None, type=_path, help="LoRA weights to load onto the transformer")
-    weights.add_argument("--transformer", default=None, type=_path,
+    weights.add_argument("--lora", default=None, type=path_argument, help="LoRA weights to load onto the transformer")
+    weights.add_argument("--transformer", default=None, type=path_argument,
                          help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
-    parser.add_argument("--prompts", default="test", type=_path,
+    parser.add_argument("--prompts", default="test", type=path_argument,
                         help="train | test | shapeeval:train | shapeeval:test | *_metadata.jsonl | prompts .txt "
                              "(default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=4,
@@ -137,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="sampling steps (default: %(default)s)")
     parser.add_argument("--cfg", type=float, default=4.5,
                         help="classifier-free guidance scale (default: %(default)s)")
-    parser.add_argument("--out", default="outputs/evaluate", type=_path,
+    parser.add_argument("--out", default="outputs/evaluate", type=path_argument,
                         help="directory for results.json/.md and samples.png (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an evaluation already in --out")
     parser.add_argument("--limit", type=int, default=None,

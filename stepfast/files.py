@@ -11,6 +11,16 @@ from pathlib import Path
 from typing import Callable
 
 
+def path_argument(value: str) -> str:
+    """An argparse type for a path: an empty one (a shell variable unset in a script) would mean the
+    current folder, and write or read there."""
+    import argparse
+
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return value
+
+
 _CANNOT_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF}
 
 

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from stepfast import policy
 from stepfast.data.shapeeval import CATEGORIES, load_metadata, render
-from stepfast.files import PROBE_PREFIX, check_creatable_dir, sync, sync_folder
+from stepfast.files import PROBE_PREFIX, check_creatable_dir, path_argument, sync, sync_folder
 from stepfast.models import EMBEDDED_MODEL, check_device, check_pipeline_dir, text_length
 from stepfast.models.tiny import build_tiny_pipeline, save_pipeline
 
@@ -365,7 +365,7 @@ def write_pipeline(pipe, out: Path) -> None:
 def main(argv: list[str] | None = None) -> Path:
     defaults = PretrainConfig()
     parser = argparse.ArgumentParser(prog="python -m stepfast.pretrain", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=EMBEDDED_MODEL,
+    parser.add_argument("--out", type=path_argument, default=EMBEDDED_MODEL,
                         help="output pipeline directory (default: the embedded model, which needs --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the pipeline already in --out (only once the new one is written)")
@@ -409,8 +409,6 @@ def main(argv: list[str] | None = None) -> Path:
         device = check_device(args.device)
     except ValueError as exc:
         parser.error(f"--device: {exc}")
-    if not str(args.out).strip():  # Path("") is the working folder
-        parser.error("--out: an empty path (an unset shell variable?); give the folder to write the pipeline to")
     out = Path(args.out).resolve()
     try:
         every = cfg.snapshot_every

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from stepfast import heldout, sde
 from stepfast.config import ConfigError, load_config
 from stepfast.data.prompts import PromptRecord, load_prompts
-from stepfast.files import write_atomically
+from stepfast.files import path_argument, write_atomically
 from stepfast.grpo import sde_params
 from stepfast.models import check_device, load_lora, load_pipeline, lora_weights_file
 from stepfast.policy import (
@@ -213,13 +213,6 @@ def _seed(text: str) -> int:
     return value
 
 
-def _path(value: str) -> str:
-    """A path argument: an empty one (a shell variable unset in a script) would write nothing, silently."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
-    return value
-
-
 def _substeps(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -257,13 +250,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help="draws of the rest of the rollout a state, at least 2 (default: 8)")
     p.add_argument("--substeps", type=_substeps, default=None,
                    help="T' values to compare, e.g. 3,10 (default: rollout.substeps)")
-    p.add_argument("--lora", type=_path, default=None, help="LoRA weights to load first (a checkpoint's lora/ folder)")
+    p.add_argument("--lora", type=path_argument, default=None, help="LoRA weights to load first (a checkpoint's lora/ folder)")
     p.add_argument("--seed", type=_seed, default=None, help="seed of the noise drawn (default: the config's seed)")
     p.add_argument("--batch-size", type=_whole(1), default=64,
                    help="latents a continuation or decode call (default: 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
-    p.add_argument("--out", type=_path, default=None, help="also write the tables as JSON to this file")
+    p.add_argument("--out", type=path_argument, default=None, help="also write the tables as JSON to this file")
     p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     args = p.parse_intermixed_args(argv)
     try:

@@ -131,12 +131,14 @@ def _check_options(name: str, build, options: dict) -> dict:
         signature = inspect.signature(build)
     except (TypeError, ValueError):  # nothing to check against
         return options
+    hints = _type_hints(build)
     try:
         signature.bind(**options)
     except TypeError as exc:
+        shown = _signature_text(signature, hints)
         if not options and not isinstance(build, type):  # neither a scorer nor a factory without options
             raise ValueError(
-                f"reward {name!r}: {signature} is not a scoring function fn(images, prompts, metadata), and as a "
+                f"reward {name!r}: {shown} is not a scoring function fn(images, prompts, metadata), and as a "
                 f"factory it needs options ({exc}): give them in reward.options"
             ) from None
         takes = [p for p, param in signature.parameters.items() if param.kind is not param.VAR_POSITIONAL]
@@ -146,9 +148,7 @@ def _check_options(name: str, build, options: dict) -> dict:
             for close in [difflib.get_close_matches(key, takes, n=1, cutoff=0.6)] if close
         ]  # fmt: skip
         hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
-        takes = _signature_text(signature, _type_hints(build))
-        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {takes}: {exc}{hint}") from None
-    hints = _type_hints(build)
+        raise ValueError(f"reward {name!r}: options {sorted(options)} do not fit {shown}: {exc}{hint}") from None
     checked = dict(options)
     for key, value in options.items():
         kind, optional = _plain(hints.get(key))
