@@ -206,7 +206,9 @@ def check_before_start(cfg) -> PromptFiles:
     except ValueError as exc:
         errors.append(f"output_dir: {exc}")
     else:  # a folder that could not be checked is named above; its files cannot be read either
-        if cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
+        if problem := inside_checkpoints(Path(cfg.output_dir)):
+            errors.append(problem)
+        elif cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
             errors.append(problem)
     resumed = None
     if cfg.resume not in ("none", "auto"):
@@ -323,6 +325,26 @@ def engine_settings_problem(cfg, resumed: Path) -> str | None:
         "engine state is laid out by them; resume with the checkpoint's, or start a new run (resume=none) "
         "in another output_dir"
     )
+
+
+def inside_checkpoints(out: Path) -> str | None:
+    """Why `out` cannot hold a run, when it is (or lies in) a run's checkpoints folder or one of its
+    checkpoints: that run deletes its older checkpoints (keep_checkpoints) with everything in them, and
+    a checkpoint folder holds what resume reads. None otherwise."""
+    resolved = out.expanduser().resolve()
+    for folder in (resolved, *resolved.parents):
+        try:
+            if checkpoint.PATTERN.match(folder.name) and (checkpoint.is_complete(folder) or (folder / "state.pt").exists()):
+                return (f"output_dir {out} lies in the checkpoint {folder}, which its run deletes once it is "
+                        "no longer among the newest it keeps: give a folder outside it")  # fmt: skip
+            if folder.name == "checkpoints" and folder.is_dir() and (
+                (folder.parent / "metrics.csv").exists() or any(checkpoint.PATTERN.match(p.name) for p in folder.iterdir())
+            ):
+                return (f"output_dir {out} lies in the checkpoints folder of the run in {folder.parent}, which "
+                        "deletes its older checkpoints with whatever lies in them: give a folder outside it")  # fmt: skip
+        except OSError:  # a folder above that cannot be searched holds no run this one could be lost in
+            continue
+    return None
 
 
 def run_in_the_way(out: Path) -> str | None:

@@ -930,6 +930,32 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path, start):
     assert_unchanged(out, files)
 
 
+@pytest.mark.parametrize("inner, message", [
+    ("checkpoints/checkpoint-000002", "lies in the checkpoint {out}/checkpoints/checkpoint-000002, which its run deletes"),
+    ("checkpoints/checkpoint-000002/sub", "lies in the checkpoint {out}/checkpoints/checkpoint-000002, which its run deletes"),
+    ("checkpoints", "lies in the checkpoints folder of the run in {out}, which deletes its older checkpoints"),
+    ("checkpoints/new", "lies in the checkpoints folder of the run in {out}, which deletes its older checkpoints"),
+])  # fmt: skip
+@pytest.mark.parametrize("resume", ["none", "auto"])
+def test_a_run_inside_another_runs_checkpoints_is_refused(baseline, tmp_path, start, inner, message, resume):
+    """The outer run prunes its older checkpoints (keep_checkpoints) with whatever lies in them: a run
+    written there would be lost without a word, whether it starts or resumes."""
+    config, out, files = copy_run(baseline, tmp_path)
+    code, err = start(config, f"output_dir={out / inner}", f"resume={resume}")
+    assert code == 2, err
+    assert f"output_dir {out / inner} " + message.format(out=out) in err
+    assert_unchanged(out, files)
+
+
+def test_a_folder_named_checkpoints_that_holds_no_run_is_a_fine_output_dir(tmp_path, start):
+    """Only a run's checkpoints are refused: a hand-written config.yaml beside a folder of that name
+    is not a run."""
+    (tmp_path / "config.yaml").write_text("iterations: 1\n")
+    config = write_config(tmp_path / "cfg.yaml", base_config(EMBEDDED_MODEL, tmp_path / "checkpoints"))
+    with pytest.raises(AssertionError, match="the start reached the process group"):
+        start(config)
+
+
 def test_a_new_run_keeps_a_config_yaml_it_finds_in_its_output_dir(model_dir, tmp_path):
     """A hand-written config kept in output_dir and given with --config: the run writes its resolved
     settings as config.yaml, and keeps the file that was there (its comments with it), once."""
