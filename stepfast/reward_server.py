@@ -383,9 +383,25 @@ class ScoreHandler(BaseHTTPRequestHandler):
     server_version = "stepfast-reward-server"
     timeout = 300  # seconds a connection may stall while sending its request
 
+    ROUTES = {"/health": "GET", "/score": "POST", "/check": "POST"}
+
+    def _misrouted(self, method: str) -> bool:
+        """Answer a path this server does not have (404) or one asked with the other method (405, with
+        its Allow header), naming what it serves; False when the request is one it answers."""
+        allowed = self.ROUTES.get(self.path)
+        if allowed == method:
+            return False
+        served = ", ".join(f"{m} {p}" for p, m in self.ROUTES.items())
+        if allowed is None:
+            self._send(404, {"error": f"no such path {self.path!r}; this server answers {served}"})
+        else:
+            self._send(405, {"error": f"{self.path} takes {allowed}, not {method}; this server answers {served}"},
+                       {"Allow": allowed})  # fmt: skip
+        return True
+
     def do_GET(self) -> None:
-        if self.path != "/health":
-            return self._send(404, {"error": f"no such path {self.path!r}; use GET /health or POST /score"})
+        if self._misrouted("GET"):
+            return
         if not self.server.batcher.alive:
             return self._send(503, {"status": "down", "error": "the server's scoring thread has stopped"})
         self._send(200, {
@@ -397,11 +413,11 @@ class ScoreHandler(BaseHTTPRequestHandler):
         })
 
     def do_POST(self) -> None:
-        if self.path not in ("/score", "/check"):
-            return self._send(404, {"error": f"no such path {self.path!r}; use POST /score or POST /check"})
+        if self._misrouted("POST"):
+            return
         length = self.headers.get("Content-Length")
         if length is None:
-            return self._send(411, {"error": "POST /score needs a Content-Length header"})
+            return self._send(411, {"error": f"POST {self.path} needs a Content-Length header"})
         if not (length.isascii() and length.isdigit()):  # ('²' is a digit to str.isdigit, not to int)
             return self._send(400, {"error": f"Content-Length must be a number of bytes, got {length!r}"})
         length, limit = int(length), self.server.max_request_bytes
@@ -443,10 +459,12 @@ class ScoreHandler(BaseHTTPRequestHandler):
                 break
             remaining -= len(chunk)
 
-    def _send(self, status: int, payload: dict) -> None:
+    def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
         body = json.dumps(payload).encode("utf-8")
         try:
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -134,6 +134,27 @@ def post_raw(server, body: bytes, path="/score"):
         conn.close()
 
 
+def test_a_wrong_path_or_method_says_what_the_server_answers(server):
+    """A path asked with the other method is a 405 naming the one it takes (and its Allow header), not
+    a 404 denying the path; an unknown path a 404; both list every route, /check too."""
+    served = "this server answers GET /health, POST /score, POST /check"
+    cases = [("GET", "/score", 405, "/score takes POST, not GET", "POST"),
+             ("GET", "/check", 405, "/check takes POST, not GET", "POST"),
+             ("POST", "/health", 405, "/health takes GET, not POST", "GET"),
+             ("GET", "/other", 404, "no such path '/other'", None),
+             ("POST", "/other", 404, "no such path '/other'", None)]  # fmt: skip
+    for method, path, status, message, allow in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        try:
+            conn.request(method, path, body=b"{}" if method == "POST" else None)
+            resp = conn.getresponse()
+            answer = json.loads(resp.read())
+        finally:
+            conn.close()
+        assert resp.status == status and answer["error"] == f"{message}; {served}", (method, path, answer)
+        assert resp.getheader("Allow") == allow
+
+
 def test_bad_requests_get_clear_errors(server, scenes, local):
     images, prompts, _ = scenes
     png = encode_png(images[0])
