@@ -499,7 +499,9 @@ def preset_path(name: str) -> Path:
     if candidate.exists():
         return candidate
     presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"no config {name!r}: not a YAML file, and the presets are {', '.join(presets)}")
+    close = difflib.get_close_matches(name, presets, n=1, cutoff=0.6)
+    hint = f"; did you mean --config {close[0]}?" if close else ""
+    raise ConfigError(f"no config {name!r}: not a YAML file, and the presets are {', '.join(presets)}{hint}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

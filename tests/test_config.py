@@ -274,8 +274,12 @@ def test_the_eval_settings_are_not_needed_without_evaluation():
 
 
 def test_bad_preset_and_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="no config 'nope'.*default"):
+    with pytest.raises(ConfigError, match="no config 'nope'.*default") as err:
         load_config("nope")
+    assert "did you mean" not in str(err.value)  # nothing near it
+    with pytest.raises(ConfigError) as err:  # a misspelt preset, as a misspelt key, gets the nearest
+        load_config("flowgrpo")
+    assert str(err.value).endswith("sd3_medium_pickscore; did you mean --config flow_grpo?")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: [1,\n")
     with pytest.raises(ConfigError) as err:  # one line, that names the file and the line in it
