@@ -53,7 +53,7 @@ def reward_curve(rows: list[dict], path: Path) -> None:
                              sharey=True)  # fmt: skip
     ax = axes[0, 0]
     it, r = _column(rows, "reward")
-    ax.plot(it, r, color="C0", alpha=0.45, linewidth=1, label="each iteration")
+    ax.plot(it, r, color="C0", alpha=0.45, linewidth=1, marker="." if len(r) < 5 else None, label="each iteration")
     if len(r) >= 5:
         k, mean = _moving_mean(r)
         ax.plot(it[k - 1:], mean, color="C0", linewidth=2, label=f"trailing mean, {k} iterations")
@@ -66,11 +66,12 @@ def reward_curve(rows: list[dict], path: Path) -> None:
         windows = set()
         for n, key in enumerate(categories):
             it, r = _column(rows, key)
-            if len(r) >= 5:
+            raw = len(r) < 5  # each point as drawn, marked: a category drawn once is a point, not a line
+            if not raw:
                 k, mean = _moving_mean(r, parts=5)  # a category is drawn in only some iterations
                 it, r = it[k - 1:], mean
                 windows.add(k)
-            ax.plot(it, r, color=f"C{(n + 2) % 10}", label=key.split("/", 1)[1])
+            ax.plot(it, r, color=f"C{(n + 2) % 10}", marker="." if raw else None, label=key.split("/", 1)[1])
         if windows:
             window = "-".join(str(w) for w in sorted({min(windows), max(windows)}))
             ax.set_title(f"By prompt category: trailing mean of {window} of the iterations that drew it", fontsize=9)
@@ -104,27 +105,49 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
     and ShapeEval's scores do): markers, joined only when there are more than two; the title gives the
     gain before -> after and its standard error (`gain`: `held_out_gain(evals)`, when there is one)."""
     plt = _plt()
-    xs, strict, score = [], [], []
-    for tag, e in evals.items():
-        xs.append(eval_iteration(tag, iterations))
-        strict.append(e["overall"]["strict"])
-        score.append(e["overall"]["score"])
-    order = np.argsort(xs)
-    style = "-" if len(xs) > 2 else ""
+    points = sorted(((eval_iteration(tag, iterations), e["overall"]["strict"], e["overall"]["score"], _draws(e))
+                     for tag, e in evals.items()), key=lambda p: p[0])  # fmt: skip
+    # runs of evaluations that drew the same images (a resume that changed the eval settings starts
+    # another): points are joined within one only, and a dotted line marks where each new one starts
+    segments: list[list] = []
+    for p in points:
+        if segments and segments[-1][-1][3] == p[3]:
+            segments[-1].append(p)
+        else:
+            segments.append([p])
+    style = "-" if len(points) > 2 else ""
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(np.array(xs)[order], np.array(strict)[order], "o" + style, label="overall (strict)")
-    ax.plot(np.array(xs)[order], np.array(score)[order], "s" + ("--" if style else ""), label="overall (partial score)")
-    if all(0 <= v <= 1 for v in [*strict, *score] if v == v):  # pass rates and [0, 1] scores: their whole range
+    for n, seg in enumerate(segments):
+        x = [p[0] for p in seg]
+        ax.plot(x, [p[1] for p in seg], "o" + style, color="C0", label=None if n else "overall (strict)")
+        ax.plot(x, [p[2] for p in seg], "s" + ("--" if style else ""), color="C1",
+                label=None if n else "overall (partial score)")  # fmt: skip
+        if n:
+            ax.axvline(x[0], color="0.6", linestyle=":", linewidth=1)
+    values = [v for p in points for v in p[1:3]]
+    if all(0 <= v <= 1 for v in values if v == v):  # pass rates and [0, 1] scores: their whole range
         ax.set_ylim(0, 1)
     _iteration_axis(ax, "iteration (0: before training)")
     ax.set_ylabel("held-out score")
     line = "" if gain is None else f"\nstrict, before -> after: {gain['gain']:+.3f}" + (
         f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
+    if len(segments) > 1:
+        starts = ", ".join(str(seg[0][0]) for seg in segments[1:])
+        line += f"\nother prompts or seeds from iteration {starts} (dotted): not joined"
     ax.set_title(f"Held-out overall (mean of the categories){line}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _draws(evaluation: dict) -> tuple | None:
+    """The (category, prompt, seed) of every image an evaluation drew, in order, or None when it kept
+    no per-image records: two evaluations of the same draws score the same images."""
+    samples = evaluation.get("samples")
+    if not isinstance(samples, list) or not _are_samples(samples):
+        return None
+    return tuple(sorted((str(s["tag"]), str(s["prompt"]), s["seed"]) for s in samples))
 
 
 def _number(cell) -> float:
@@ -225,11 +248,13 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                       "Overall is the mean of the categories, as GenEval's; n counts images (prompts x seeds).", ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
-        if gain is None or gain["se"] is None:
+        line = gain_line(evals)  # why there is no standard error, or no gain, when the samples say
+        if gain is None and line:  # not of the same images, or no pass/fail: no difference to give
+            lines += [line[0].upper() + line[1:] + ".", ""]
+        elif gain is None or gain["se"] is None:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f})**", ""]
-            if line := gain_line(evals):  # why there is no standard error, or no gain
-                note = control_note(cfg) if gain is not None else ""
-                lines += [line[0].upper() + line[1:] + "." + note, ""]
+            if line:
+                lines += [line[0].upper() + line[1:] + "." + control_note(cfg), ""]
         else:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
                       "± one standard error of the gain over the held-out draws: a paired bootstrap of each "

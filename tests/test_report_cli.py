@@ -204,6 +204,14 @@ def test_a_report_says_why_evaluations_that_do_not_pair_have_no_gain(run):
     summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
     assert ("Held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval "
             "settings changed at a resume?); the overall scores above are not of the same images.") in summary
+    assert "Overall (strict): " not in summary  # no difference of other images set out in bold above it
+    # the same with no pass/fail to compare (a reward without one): no 'nan -> nan' either
+    nan = {**sample, "strict": float("nan")}
+    evals = {**evals, "before": {**evals["before"], "samples": [{**nan, "seed": 0}]},
+             "after": {**evals["after"], "samples": [{**nan, "seed": 0}]}}  # fmt: skip
+    summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
+    assert "Held-out gain not computed: the eval reward gives no pass/fail (strict) to compare." in summary
+    assert "Overall (strict): " not in summary
 
 
 def test_a_report_of_cells_left_empty_or_columns_added_on_resume(run, tmp_path):
@@ -294,6 +302,46 @@ def test_the_plots_of_a_short_run_tick_whole_iterations(monkeypatch, tmp_path):
     for ax in axes:
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+
+
+def test_a_point_alone_is_drawn_and_evaluations_of_other_images_are_not_joined(monkeypatch, tmp_path):
+    """A category drawn in one iteration (and a one-iteration run's reward) is a marked point, where a
+    line of one point drew nothing; the eval curve joins only evaluations of the same images, and
+    marks where the draws changed (eval settings changed at a resume)."""
+    import matplotlib.figure
+
+    from stepfast.report import eval_curve, reward_curve
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    rows = [{"iteration": it, "reward": 0.1 * it, "category/colors": 0.2} for it in range(1, 7)]
+    rows[2]["category/color_attr"] = 0.5
+    reward_curve(rows, tmp_path / "r.png")
+    reward_curve(rows[:1], tmp_path / "one.png")
+    lines = [line for fig in saved for ax in fig.axes for line in ax.get_lines()]
+    single = [line for line in lines if len(line.get_xdata()) == 1]
+    assert {line.get_label() for line in single} == {"color_attr", "colors", "each iteration"}  # colors: the one-row run
+    assert all(line.get_marker() not in (None, "", "None") for line in single)
+
+    saved.clear()
+    rng = np.random.default_rng(0)
+
+    def drawn(e, seeds):
+        return {**e, "samples": [{"prompt": "p", "tag": "colors", "seed": s, "strict": 1.0, "score": 1.0} for s in seeds]}
+
+    evals = {"before": drawn(evaluation(rng), [0, 1]), "iter000003": drawn(evaluation(rng), [0, 1]),
+             "after": drawn(evaluation(rng), [0, 1, 2])}  # fmt: skip
+    eval_curve(evals, 6, tmp_path / "e.png")
+    (ax,) = saved[0].axes
+    strict = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert [list(line.get_xdata()) for line in strict] == [[0, 3], [6]]
+    assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == ":"] == [[6, 6]]
+    assert "other prompts or seeds from iteration 6 (dotted): not joined" in ax.get_title()
+    saved.clear()
+    eval_curve({**evals, "after": drawn(evals["after"], [1, 0])}, 6, tmp_path / "e.png")  # the same images
+    (ax,) = saved[0].axes
+    assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_marker() == "o"] == [[0, 3, 6]]
+    assert "not joined" not in ax.get_title()
 
 
 def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path):
