@@ -6,7 +6,9 @@ keeps."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import shutil
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -125,6 +127,40 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     if moved:
         print(f"stepfast: the report and evaluations of weights past iteration {start - 1} that {out} held are kept as "
               f"{', '.join(str(kept.relative_to(out)) for kept in moved.values())}: this run draws its own")
+
+
+def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool) -> None:
+    """A run resumed from another folder's checkpoint: the evaluations that checkpoint holds (the one
+    before training, those between iterations) as eval_<tag>.json here, and the sample grid before
+    training when `report`, so that this folder's report can be rebuilt from its own files
+    (`python -m stepfast.report`) as the trainer writes it. Each file is copied from the checkpoint's
+    run when it is there and holds the checkpoint's figures, else written from the checkpoint (the
+    figures and every image's result; a grid cannot be). Nothing already here is replaced."""
+    run = resumed.parent.parent if resumed.parent.name == "checkpoints" else None
+    if run is not None and run.resolve() == out.resolve():
+        return
+    brought = []
+    for tag, held in evals.items():
+        path = out / f"eval_{tag}.json"
+        if path.exists():
+            continue
+        source = run / path.name if run is not None else None
+        try:
+            data = json.loads(source.read_text()) if source is not None and source.is_file() else None
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or data.get("overall") != held.get("overall"):
+            data = held  # the checkpoint's own: that file is gone or is of another evaluation
+        write_atomically(path, lambda tmp, data=data: tmp.write_text(json.dumps(data, indent=2)))
+        brought.append(path.name)
+    grid = Path("report") / "samples_before.png"
+    if report and "before" in evals and run is not None and (run / grid).is_file() and not (out / grid).exists():
+        (out / grid).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(out / grid, lambda tmp: shutil.copyfile(run / grid, tmp))
+        brought.append(str(grid))
+    if brought:
+        print(f"stepfast: {', '.join(brought)} brought from {run or resumed}, whose checkpoint this run continues, "
+              "for this folder's report")
 
 
 def _first_free(names: Iterable[Path]) -> Path:

@@ -673,6 +673,43 @@ def test_periodic_evaluations_and_the_report_of_a_resumed_run(model_dir, tmp_pat
     assert (report / "samples_before.png").read_bytes() == grid  # drawn once, before training
 
 
+def test_a_run_resumed_from_another_folders_checkpoint_brings_its_evaluations(model_dir, tmp_path):
+    """Forked from another run's checkpoint, a run's report shows the evaluation before training from
+    that checkpoint: the folder gets eval_before.json (and the ones between iterations) and the grid
+    before, so `python -m stepfast.report` rebuilds the same summary from the folder's own files. From a
+    checkpoint moved out of its run, the evaluations are written from the checkpoint."""
+    from stepfast.report import rebuild_report
+
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=2, checkpoint_every=1,
+                      eval={**SMALL_EVAL, "before_after": True, "every": 1},
+                      log={"tensorboard": False, "report": True})  # fmt: skip
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    train(config, "iterations=1")
+    ckpt = out / "checkpoints" / "checkpoint-000001"
+    moved = tmp_path / "moved" / "checkpoint-000001"
+    shutil.copytree(ckpt, moved)
+    for source, fork in ((ckpt, tmp_path / "fork"), (moved, tmp_path / "fork_moved")):
+        proc = train(config, f"output_dir={fork}", f"resume={source}", "iterations=2")
+        files = ["eval_before.json"] + (["report/samples_before.png"] if source == ckpt else [])
+        assert f"stepfast: {', '.join(files)} brought from {out if source == ckpt else source}," in proc.stdout, proc.stdout[-2000:]
+        before = json.loads((fork / "eval_before.json").read_text())
+        original = json.loads((out / "eval_before.json").read_text())
+        if source == ckpt:  # the file itself, settings and all
+            assert before == original
+            assert (fork / "report/samples_before.png").read_bytes() == (out / "report/samples_before.png").read_bytes()
+        else:  # the checkpoint's figures and every image's result
+            assert {k: before[k] for k in ("overall", "categories", "samples")} == {
+                k: original[k] for k in ("overall", "categories", "samples")}
+            assert not (fork / "report/samples_before.png").exists()
+        summary = (fork / "report" / "summary.md").read_text()
+        assert "## Held-out evaluation before training" in summary and "(one image a category" in summary
+        copy = tmp_path / f"{fork.name}_copy"
+        shutil.copytree(fork, copy)
+        rebuilt = (rebuild_report(copy) / "summary.md").read_text().replace(str(copy), str(fork))
+        assert set(summary.splitlines()) <= set(rebuilt.splitlines())
+
+
 def test_a_second_resume_at_the_same_iteration_keeps_both_attempts_evaluations(tmp_path, capsys):
     from stepfast.runfolder import set_aside_later_evaluations
 
