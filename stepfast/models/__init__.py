@@ -114,7 +114,8 @@ def load_pipeline(path: str | Path = EMBEDDED_MODEL, dtype: torch.dtype = torch.
         if module is not None:
             module.eval().requires_grad_(False)
     if device is not None:
-        pipe.to(device)
+        # diffusers warns that a float16 pipeline on the CPU "will fail": torch runs float16 on the CPU
+        pipe.to(device, silence_dtype_warnings=True)
     return pipe
 
 
