@@ -108,13 +108,17 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
     points = sorted(((eval_iteration(tag, iterations), e["overall"]["strict"], e["overall"]["score"], _draws(e))
                      for tag, e in evals.items()), key=lambda p: p[0])  # fmt: skip
     # runs of evaluations that drew the same images (a resume that changed the eval settings starts
-    # another): points are joined within one only, and a dotted line marks where each new one starts
+    # another): points are joined within one only, and a dotted line marks where each new one starts.
+    # Evaluations between iterations keep no per-image records: they join the run they fall in.
     segments: list[list] = []
+    drawn: list = []  # each segment's draws, None until one of its evaluations says them
     for p in points:
-        if segments and segments[-1][-1][3] == p[3]:
+        if segments and (p[3] is None or drawn[-1] is None or p[3] == drawn[-1]):
             segments[-1].append(p)
+            drawn[-1] = drawn[-1] if drawn[-1] is not None else p[3]
         else:
             segments.append([p])
+            drawn.append(p[3])
     style = "-" if len(points) > 2 else ""
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for n, seg in enumerate(segments):
@@ -142,10 +146,11 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
 
 
 def _draws(evaluation: dict) -> tuple | None:
-    """The (category, prompt, seed) of every image an evaluation drew, in order, or None when it kept
-    no per-image records: two evaluations of the same draws score the same images."""
+    """The (category, prompt, seed) of every image an evaluation drew, sorted, or None when it kept
+    no per-image records (those between iterations keep none): two evaluations of the same draws
+    score the same images."""
     samples = evaluation.get("samples")
-    if not isinstance(samples, list) or not _are_samples(samples):
+    if not samples or not _are_samples(samples):
         return None
     return tuple(sorted((str(s["tag"]), str(s["prompt"]), s["seed"]) for s in samples))
 
@@ -199,13 +204,17 @@ def held_out_gain(evals: dict) -> dict | None:
     return paired_gain(*samples)
 
 
-def gain_line(evals: dict) -> str | None:
-    """What a run says of its held-out gain: the gain and its standard error (`held_out_gain`), or
-    why there is none although both evaluations ran; None when they did not both run."""
+_UNSET = object()
+
+
+def gain_line(evals: dict, gain=_UNSET) -> str | None:
+    """What a run says of its held-out gain: the gain and its standard error (`held_out_gain`, or
+    `gain` when already computed from `evals`), or why there is none although both evaluations ran;
+    None when they did not both run."""
     samples = [evals.get(tag, {}).get("samples") for tag in ("before", "after")]
     if not all(isinstance(s, list) and s for s in samples):  # not both run, or their images not kept
         return None
-    gain = held_out_gain(evals)
+    gain = held_out_gain(evals) if gain is _UNSET else gain
     if gain is None:
         if not all(math.isfinite(s["strict"]) for part in samples for s in part):
             return "held-out gain not computed: the eval reward gives no pass/fail (strict) to compare"
@@ -248,7 +257,7 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                       "Overall is the mean of the categories, as GenEval's; n counts images (prompts x seeds).", ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
-        line = gain_line(evals)  # why there is no standard error, or no gain, when the samples say
+        line = gain_line(evals, gain)  # why there is no standard error, or no gain, when the samples say
         if gain is None and line:  # not of the same images, or no pass/fail: no difference to give
             lines += [line[0].upper() + line[1:] + ".", ""]
         elif gain is None or gain["se"] is None:

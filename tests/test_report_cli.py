@@ -342,6 +342,14 @@ def test_a_point_alone_is_drawn_and_evaluations_of_other_images_are_not_joined(m
     (ax,) = saved[0].axes
     assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_marker() == "o"] == [[0, 3, 6]]
     assert "not joined" not in ax.get_title()
+    # as the trainer writes them: the evaluations between iterations keep no per-image records, and
+    # join the run they fall in (of the same images, or not)
+    between = {tag: evaluation(rng) for tag in ("iter000002", "iter000004")}
+    for after, expected in (([1, 0], [[0, 2, 4, 6]]), ([0, 1, 2], [[0, 2, 4], [6]])):
+        saved.clear()
+        eval_curve({"before": evals["before"], **between, "after": drawn(evals["after"], after)}, 6, tmp_path / "e.png")
+        (ax,) = saved[0].axes
+        assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_marker() == "o"] == expected
 
 
 def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path):
