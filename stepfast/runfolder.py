@@ -129,37 +129,73 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
               f"{', '.join(str(kept.relative_to(out)) for kept in moved.values())}: this run draws its own")
 
 
-def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool) -> None:
+def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool, start: int) -> None:
     """A run resumed from another folder's checkpoint: the evaluations that checkpoint holds (the one
     before training, those between iterations) as eval_<tag>.json here, and the sample grid before
     training when `report`, so that this folder's report can be rebuilt from its own files
     (`python -m stepfast.report`) as the trainer writes it. Each file is copied from the checkpoint's
     run when it is there and holds the checkpoint's figures, else written from the checkpoint (the
-    figures and every image's result; a grid cannot be). Nothing already here is replaced."""
+    figures and every image's result; a grid cannot be). A file here of another evaluation (an
+    earlier start in this folder) is kept as <name>-before-<start>, as `set_aside_later_evaluations`
+    keeps one, and a grid with it; a grid that cannot be copied is a warning."""
+    resumed = resumed.resolve()
     run = resumed.parent.parent if resumed.parent.name == "checkpoints" else None
-    if run is not None and run.resolve() == out.resolve():
+    if run is not None and run == out.resolve():
         return
-    brought = []
+
+    def same(data, held) -> bool:  # NaN (a reward without pass/fail) equals itself in JSON's text
+        return isinstance(data, dict) and json.dumps(data.get("overall"), sort_keys=True) == json.dumps(
+            held.get("overall"), sort_keys=True)
+
+    def read(path: Path):
+        try:
+            return json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError):
+            return None
+
+    brought, written, kept = [], [], []
+
+    def set_aside(path: Path) -> None:
+        aside = _first_free(path.with_name(f"{path.stem}-before-{start}{'' if n == 1 else f'-{n}'}{path.suffix}")
+                            for n in itertools.count(1))  # fmt: skip
+        os.replace(path, aside)
+        kept.append(str(aside.relative_to(out)))
+
+    here: dict[str, bool] = {}  # tag: whether this folder already held the checkpoint's evaluation
     for tag, held in evals.items():
         path = out / f"eval_{tag}.json"
-        if path.exists():
+        here[tag] = path.exists() and same(read(path), held)
+        if here[tag]:
             continue
-        source = run / path.name if run is not None else None
-        try:
-            data = json.loads(source.read_text()) if source is not None and source.is_file() else None
-        except (OSError, ValueError):
-            data = None
-        if not isinstance(data, dict) or data.get("overall") != held.get("overall"):
-            data = held  # the checkpoint's own: that file is gone or is of another evaluation
+        if path.exists():
+            set_aside(path)
+        data = read(run / path.name) if run is not None else None
+        if not same(data, held):  # that file is gone or of another evaluation: the checkpoint's own
+            data = held
+            written.append(path.name)
+        else:
+            brought.append(path.name)
         write_atomically(path, lambda tmp, data=data: tmp.write_text(json.dumps(data, indent=2)))
-        brought.append(path.name)
-    grid = Path("report") / "samples_before.png"
-    if report and "before" in evals and run is not None and (run / grid).is_file() and not (out / grid).exists():
-        (out / grid).parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(out / grid, lambda tmp: shutil.copyfile(run / grid, tmp))
-        brought.append(str(grid))
+    grid = out / "report" / "samples_before.png"
+    if report and "before" in evals and not here["before"]:  # a grid here is of another evaluation
+        source = run / "report" / "samples_before.png" if run is not None else None
+        try:
+            if grid.exists():
+                set_aside(grid)
+            if source is not None and source.is_file() and same(read(run / "eval_before.json"), evals["before"]):
+                grid.parent.mkdir(parents=True, exist_ok=True)
+                write_atomically(grid, lambda tmp: shutil.copyfile(source, tmp))
+                brought.append(str(grid.relative_to(out)))
+        except OSError as exc:
+            print(f"stepfast: warning: cannot copy {source} to {grid} ({exc}): this folder's report shows no "
+                  "sample grid before training", file=sys.stderr)  # fmt: skip
+    if kept:
+        print(f"stepfast: {', '.join(kept)} kept: of another evaluation than the checkpoint {resumed} holds")
     if brought:
-        print(f"stepfast: {', '.join(brought)} brought from {run or resumed}, whose checkpoint this run continues, "
+        print(f"stepfast: {', '.join(brought)} copied from {run}, whose checkpoint this run continues, for "
+              "this folder's report")
+    if written:
+        print(f"stepfast: {', '.join(written)} written from the checkpoint {resumed}, which this run continues, "
               "for this folder's report")
 
 

@@ -328,23 +328,35 @@ def engine_settings_problem(cfg, resumed: Path) -> str | None:
 
 
 def inside_checkpoints(out: Path) -> str | None:
-    """Why `out` cannot hold a run, when it is (or lies in) a run's checkpoints folder or one of its
-    checkpoints: that run deletes its older checkpoints (keep_checkpoints) with everything in them, and
-    a checkpoint folder holds what resume reads. None otherwise."""
-    resolved = out.expanduser().resolve()
-    for folder in (resolved, *resolved.parents):
-        try:
-            if checkpoint.PATTERN.match(folder.name) and (checkpoint.is_complete(folder) or (folder / "state.pt").exists()):
-                return (f"output_dir {out} lies in the checkpoint {folder}, which its run deletes once it is "
-                        "no longer among the newest it keeps: give a folder outside it")  # fmt: skip
-            if folder.name == "checkpoints" and folder.is_dir() and (
-                (folder.parent / "metrics.csv").exists() or any(checkpoint.PATTERN.match(p.name) for p in folder.iterdir())
-            ):
-                return (f"output_dir {out} lies in the checkpoints folder of the run in {folder.parent}, which "
-                        "deletes its older checkpoints with whatever lies in them: give a folder outside it")  # fmt: skip
-        except OSError:  # a folder above that cannot be searched holds no run this one could be lost in
-            continue
+    """Why `out` cannot hold a run, when it is (or lies in) one of a run's checkpoints or that run's
+    checkpoints folder: a run deletes its older checkpoints with everything in them, replaces one it
+    writes again, and resume reads them; its checkpoints folder is its own. The path is checked as
+    given and with its links resolved (a checkpoints folder may be a link to another disk). None
+    otherwise."""
+    absolute = Path(os.path.abspath(out.expanduser()))
+    seen = set()
+    for path in (absolute, absolute.resolve()):
+        for folder in (path, *path.parents):
+            if folder in seen:
+                continue
+            seen.add(folder)
+            try:
+                if checkpoint.PATTERN.match(folder.name) and (checkpoint.is_complete(folder) or (folder / "state.pt").exists()):
+                    return (f"output_dir {out} lies in the checkpoint {folder}: a run deletes its older checkpoints "
+                            "with everything in them, and resume reads them; give a folder outside it")  # fmt: skip
+                if folder.name == "checkpoints" and _is_checkpoints_of_a_run(folder):
+                    return (f"output_dir {out} lies in the checkpoints folder of the run in {folder.parent}, "
+                            "where that run writes and deletes its checkpoints; give a folder outside it")  # fmt: skip
+            except OSError:  # a folder above that cannot be searched holds no run this one could be lost in
+                continue
     return None
+
+
+def _is_checkpoints_of_a_run(folder: Path) -> bool:
+    """`folder` (named checkpoints) is a run's: beside the run's config.yaml, with its metrics.csv or
+    checkpoints in it (a folder of checkpoints moved out of their run is not)."""
+    return folder.is_dir() and (folder.parent / "config.yaml").is_file() and (
+        (folder.parent / "metrics.csv").exists() or any(checkpoint.PATTERN.match(p.name) for p in folder.iterdir()))
 
 
 def run_in_the_way(out: Path) -> str | None:

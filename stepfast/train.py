@@ -158,7 +158,7 @@ class Trainer:
                 runfolder.keep_changed_settings(cfg, self.out, self.resume_from, self.start - 1)
                 if self.start <= cfg.iterations:  # training on: later weights' evaluations set aside
                     runfolder.set_aside_later_evaluations(self.out, self.start)
-                runfolder.bring_evaluations(self.out, self.resume_from, self.evals, cfg.log.report)
+                runfolder.bring_evaluations(self.out, self.resume_from, self.evals, cfg.log.report, self.start)
             else:
                 runfolder.keep_other_config(self.out, to_yaml(cfg))
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))

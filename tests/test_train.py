@@ -691,8 +691,9 @@ def test_a_run_resumed_from_another_folders_checkpoint_brings_its_evaluations(mo
     shutil.copytree(ckpt, moved)
     for source, fork in ((ckpt, tmp_path / "fork"), (moved, tmp_path / "fork_moved")):
         proc = train(config, f"output_dir={fork}", f"resume={source}", "iterations=2")
-        files = ["eval_before.json"] + (["report/samples_before.png"] if source == ckpt else [])
-        assert f"stepfast: {', '.join(files)} brought from {out if source == ckpt else source}," in proc.stdout, proc.stdout[-2000:]
+        said = ("stepfast: eval_before.json, report/samples_before.png copied from {out}, whose checkpoint" if source == ckpt
+                else f"stepfast: eval_before.json written from the checkpoint {source}, which this run continues")
+        assert said.format(out=out) in proc.stdout, proc.stdout[-2000:]
         before = json.loads((fork / "eval_before.json").read_text())
         original = json.loads((out / "eval_before.json").read_text())
         if source == ckpt:  # the file itself, settings and all
@@ -708,6 +709,36 @@ def test_a_run_resumed_from_another_folders_checkpoint_brings_its_evaluations(mo
         shutil.copytree(fork, copy)
         rebuilt = (rebuild_report(copy) / "summary.md").read_text().replace(str(copy), str(fork))
         assert set(summary.splitlines()) <= set(rebuilt.splitlines())
+
+
+def test_evaluations_brought_from_another_folder_replace_none_of_this_ones(tmp_path, capsys):
+    """runfolder.bring_evaluations in-process: an evaluation without pass/fail (overall strict NaN) is
+    still recognised as the checkpoint's and copied whole; files here of another evaluation (an
+    earlier start in this folder) are kept aside, the grid with its evaluation; a folder already
+    holding the checkpoint's evaluation is left as it is."""
+    from stepfast.runfolder import bring_evaluations
+
+    run, out = tmp_path / "run", tmp_path / "fork"
+    ckpt = run / "checkpoints" / "checkpoint-000002"
+    ckpt.mkdir(parents=True)
+    (run / "report").mkdir()
+    (run / "report" / "samples_before.png").write_bytes(b"grid of the run")
+    held = {"overall": {"strict": float("nan"), "score": 0.5, "n": 2}, "categories": {}}
+    (run / "eval_before.json").write_text(json.dumps({**held, "settings": {"seeds": [0]}}))
+    (out / "report").mkdir(parents=True)
+    (out / "eval_before.json").write_text(json.dumps({**held, "overall": {"strict": 0.0, "score": 0.1, "n": 2}}))
+    (out / "report" / "samples_before.png").write_bytes(b"grid of another start")
+    bring_evaluations(out, ckpt, {"before": held}, report=True, start=3)
+    said = capsys.readouterr().out
+    assert json.loads((out / "eval_before.json").read_text())["settings"] == {"seeds": [0]}  # the run's file, whole
+    assert (out / "report" / "samples_before.png").read_bytes() == b"grid of the run"
+    assert json.loads((out / "eval_before-before-3.json").read_text())["overall"]["strict"] == 0.0
+    assert (out / "report" / "samples_before-before-3.png").read_bytes() == b"grid of another start"
+    assert "eval_before-before-3.json, report/samples_before-before-3.png kept: of another evaluation" in said
+    assert f"eval_before.json, report/samples_before.png copied from {run}" in said
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    bring_evaluations(out, ckpt, {"before": held}, report=True, start=3)  # again: nothing to do
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files and capsys.readouterr().out == ""
 
 
 def test_a_second_resume_at_the_same_iteration_keeps_both_attempts_evaluations(tmp_path, capsys):
@@ -969,10 +1000,10 @@ def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path, start):
 
 
 @pytest.mark.parametrize("inner, message", [
-    ("checkpoints/checkpoint-000002", "lies in the checkpoint {out}/checkpoints/checkpoint-000002, which its run deletes"),
-    ("checkpoints/checkpoint-000002/sub", "lies in the checkpoint {out}/checkpoints/checkpoint-000002, which its run deletes"),
-    ("checkpoints", "lies in the checkpoints folder of the run in {out}, which deletes its older checkpoints"),
-    ("checkpoints/new", "lies in the checkpoints folder of the run in {out}, which deletes its older checkpoints"),
+    ("checkpoints/checkpoint-000002", "lies in the checkpoint {out}/checkpoints/checkpoint-000002: a run deletes"),
+    ("checkpoints/checkpoint-000002/sub", "lies in the checkpoint {out}/checkpoints/checkpoint-000002: a run deletes"),
+    ("checkpoints", "lies in the checkpoints folder of the run in {out}, where that run writes and deletes"),
+    ("checkpoints/checkpoint-000009", "lies in the checkpoints folder of the run in {out}, where that run writes"),
 ])  # fmt: skip
 @pytest.mark.parametrize("resume", ["none", "auto"])
 def test_a_run_inside_another_runs_checkpoints_is_refused(baseline, tmp_path, start, inner, message, resume):
@@ -985,13 +1016,25 @@ def test_a_run_inside_another_runs_checkpoints_is_refused(baseline, tmp_path, st
     assert_unchanged(out, files)
 
 
-def test_a_folder_named_checkpoints_that_holds_no_run_is_a_fine_output_dir(tmp_path, start):
+def test_a_folder_named_checkpoints_that_holds_no_run_is_a_fine_output_dir(tmp_path):
     """Only a run's checkpoints are refused: a hand-written config.yaml beside a folder of that name
-    is not a run."""
+    is not a run, nor is a folder of checkpoints moved out of their run; a run's checkpoints folder
+    that is a link to another disk is its run's all the same."""
+    from stepfast.startup import inside_checkpoints
+
     (tmp_path / "config.yaml").write_text("iterations: 1\n")
-    config = write_config(tmp_path / "cfg.yaml", base_config(EMBEDDED_MODEL, tmp_path / "checkpoints"))
-    with pytest.raises(AssertionError, match="the start reached the process group"):
-        start(config)
+    assert inside_checkpoints(tmp_path / "checkpoints") is None
+    (tmp_path / "checkpoints" / "checkpoint-000010").mkdir(parents=True)  # moved here, its run elsewhere
+    (tmp_path / "config.yaml").unlink()
+    assert inside_checkpoints(tmp_path / "checkpoints" / "run2") is None
+    run, disk = tmp_path / "run", tmp_path / "disk"
+    (disk / "checkpoint-000002").mkdir(parents=True)
+    run.mkdir()
+    (run / "config.yaml").write_text("iterations: 4\n")
+    (run / "checkpoints").symlink_to(disk)
+    problem = inside_checkpoints(run / "checkpoints" / "checkpoint-000050")
+    assert problem.endswith(f"lies in the checkpoints folder of the run in {run}, where that run writes and deletes "
+                            "its checkpoints; give a folder outside it")  # fmt: skip
 
 
 def test_a_new_run_keeps_a_config_yaml_it_finds_in_its_output_dir(model_dir, tmp_path):
