@@ -18,7 +18,7 @@ their largest entry). Acceptance (C++ backend, CPU, float32, (24, 16, 64, 64), l
 
 On CUDA the GPU tests also print the kernels' achieved HBM bandwidth (bytes / time / peak, peak from
 $STEPFAST_HBM_PEAK_BYTES_PER_S, default 4.8e12 for an H200), each case's outputs first checked against
-the torch backend (test_hbm_cases_compute_the_ops checks the same cases on CPU, in the Triton
+the torch backend (tests/test_kernels.py checks the same cases on CPU, in the Triton
 interpreter), and the CUDA-graph estimate engine's speedup over the eager loop on an
 SD3.5-Medium-shaped transformer (benchmarks/gpu_check.sh runs them).
 """
@@ -34,6 +34,7 @@ import torch
 
 from stepfast.kernels import sde_logprob, sde_step_with_logprob, select_backend
 from flow_grpo_baseline import flow_grpo_logprob, flow_grpo_step_with_logprob  # tests/, checked there
+from kernel_wrapper_cases import check_wrapper_case, wrapper_cases  # tests/, checked there on CPU
 from machine import cpu_name, omp_policy  # OMP_WAIT_POLICY=PASSIVE, set by conftest.py before torch loads
 
 SHAPES = [(24, 16, 64, 64), (24, 16, 128, 128)]
@@ -230,83 +231,6 @@ def test_ratio_table(device):
 # CUDA only: kernel bandwidth and the CUDA-graph estimate engine
 
 
-def hbm_cases(shape: tuple[int, ...], device: str, v_dtype: torch.dtype, patch: int | None, seed: int = 0) -> dict:
-    """{name: (callable, bytes moved, expected outputs)} for the Triton host wrappers on one shape, with
-    coefficients precomputed (so only the kernels and their small finishing sums run). The expected
-    outputs are the torch backend's, float32 math on the same inputs: the step's sample and log-prob,
-    the forward's log-prob (and KL), the backward's gradients w.r.t. v (and v_ref) for the wrappers'
-    output gradients. On CPU tensors the wrappers run in the Triton interpreter."""
-    from stepfast.kernels.coefficients import step_coefficients
-    from stepfast.kernels.sde_logprob import sde_logprob_bwd, sde_logprob_fwd
-    from stepfast.kernels.sde_step import sde_step_fwd
-
-    b, n = shape[0], shape[1] * shape[2] * shape[3]
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(dtype=torch.float32):
-        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-
-    x, z, smp, v, v_ref = rand(), rand(), rand(), rand(v_dtype), rand(v_dtype)
-    reduce = "tokens" if patch else "mean"
-    reduced = shape[1] * patch * patch if patch else n
-    coef = step_coefficients("flow_sde", 0.8, 0.7, b, n, reduced, "gaussian", reduce, torch.device("cpu")).to(device)
-    grad_lp = torch.randn((b, n // reduced) if patch else (b,), generator=g).to(device)
-    grad_kl = torch.randn(b, generator=g).to(device)
-    opts = dict(reduce=reduce, patch_size=patch, backend="torch")
-
-    def step_ref():
-        with torch.no_grad():
-            return tuple(sde_step_with_logprob("flow_sde", x, v, 0.8, 0.7, z, **opts))
-
-    def logprob_ref(with_kl: bool):
-        with torch.no_grad():
-            lp, kl = sde_logprob("flow_sde", x, v, 0.8, 0.7, smp, v_ref if with_kl else None, **opts)
-        return (lp,) if kl is None else (lp, kl)
-
-    def grad_ref(with_kl: bool):
-        vv, vr = v.detach().clone().requires_grad_(), v_ref.detach().clone().requires_grad_()
-        lp, kl = sde_logprob("flow_sde", x, vv, 0.8, 0.7, smp, vr if with_kl else None, **opts)
-        loss = (lp * grad_lp).sum() + ((kl * grad_kl).sum() if with_kl else 0)
-        wrt = (vv, vr) if with_kl else (vv,)
-        return torch.autograd.grad(loss, wrt)
-
-    return {
-        "step fwd": (lambda: sde_step_fwd(x, v, z, coef, patch, True), _bytes(x, v, z) + x.numel() * 4, step_ref),
-        "logprob fwd": (lambda: sde_logprob_fwd(x, v, smp, None, coef, patch)[:1], _bytes(x, v, smp),
-                        lambda: logprob_ref(False)),
-        "logprob+kl fwd": (lambda: sde_logprob_fwd(x, v, smp, v_ref, coef, patch), _bytes(x, v, smp, v_ref),
-                           lambda: logprob_ref(True)),
-        "logprob bwd": (lambda: sde_logprob_bwd(x, v, smp, None, coef, patch, grad_lp, None, False)[:1],
-                        _bytes(x, v, smp, v), lambda: grad_ref(False)),
-        "logprob+kl bwd": (lambda: sde_logprob_bwd(x, v, smp, v_ref, coef, patch, grad_lp, grad_kl, True),
-                           _bytes(x, v, smp, v_ref, v, v_ref), lambda: grad_ref(True)),
-    }  # fmt: skip
-
-
-def check_hbm_case(name: str, fn, expected) -> None:
-    """The wrapper's outputs equal the torch backend's to 1e-5 of their largest entry (bfloat16
-    gradients: to bfloat16's rounding), so a bandwidth is never quoted for a kernel that computes the
-    wrong thing."""
-    got, want = fn(), expected()
-    assert len(got) == len(want), f"{name}: {len(got)} outputs, the reference has {len(want)}"
-    for i, (a, e) in enumerate(zip(got, want)):
-        assert a.shape == e.shape and a.dtype == e.dtype, f"{name} output {i}: {a.dtype} {tuple(a.shape)}, expected {e.dtype} {tuple(e.shape)}"
-        a, e = a.double(), e.double()
-        rel = 1e-5 if got[i].dtype == torch.float32 else 2.0 ** -7
-        err, scale = (a - e).abs().max().item(), e.abs().max().item()
-        assert err <= rel * max(scale, 1e-30), f"{name} output {i}: differs from the torch backend by {err:.3g} (largest entry {scale:.3g})"
-
-
-@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16], ids=["v_fp32", "v_bf16"])
-@pytest.mark.parametrize("patch", [None, 2], ids=["mean", "tokens"])
-def test_hbm_cases_compute_the_ops(v_dtype, patch):
-    """The bandwidth test's cases (raw host wrappers on precomputed coefficients) compute what the
-    public ops compute: checked here in the Triton interpreter on an odd shape, and on CUDA before each
-    timing by test_cuda_kernel_hbm_bandwidth."""
-    for name, (fn, _, expected) in hbm_cases((3, 5, 6, 10), "cpu", v_dtype, patch).items():
-        check_hbm_case(name, fn, expected)
-
-
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_kernel_hbm_bandwidth():
     """Achieved HBM bandwidth of the Triton kernels alone (coefficients precomputed; L2 flushed between
@@ -319,8 +243,9 @@ def test_cuda_kernel_hbm_bandwidth():
     for shape in SHAPES + [(24, 16, 256, 256)]:
         for v_dtype in (torch.float32, torch.bfloat16):
             for patch in (None, 2):
-                for name, (fn, nbytes, expected) in hbm_cases(shape, "cuda", v_dtype, patch).items():
-                    check_hbm_case(name, fn, expected)
+                for name, (fn, nbytes, expected) in wrapper_cases(shape, "cuda", v_dtype, patch).items():
+                    check_wrapper_case(f"{'x'.join(map(str, shape))} v {str(v_dtype)[6:]} "
+                                       f"{'tokens' if patch else 'mean'} {name}", fn, expected)
                     ms = do_bench(fn, warmup=10, rep=40)
                     frac = nbytes / (ms * 1e-3) / HBM_PEAK
                     lines.append(

@@ -1109,3 +1109,15 @@ def test_the_benchmarks_flow_grpo_baseline_computes_what_the_kernels_compute():
     upstream(lp, None).backward()
     upstream(ref_lp, None).backward()
     assert_matches64(v.grad, v64.grad, what="grad_v")
+
+
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16], ids=["v_fp32", "v_bf16"])
+@pytest.mark.parametrize("patch", [None, 2], ids=["mean", "tokens"])
+def test_the_bandwidth_benchmarks_wrapper_calls_compute_the_ops(v_dtype, patch):
+    """The HBM bandwidth benchmark times the Triton host wrappers on precomputed coefficients, past
+    the dispatcher: its cases compute what the public ops compute (here in the Triton interpreter on
+    an odd shape; on CUDA the benchmark checks them before timing)."""
+    from kernel_wrapper_cases import check_wrapper_case, wrapper_cases
+
+    for name, (fn, _, expected) in wrapper_cases((3, 5, 6, 10), "cpu", v_dtype, patch).items():
+        check_wrapper_case(name, fn, expected)
