@@ -12,10 +12,13 @@ network you trust).
     POST /score  <- {"rewards": ["shapes"], "images": [b64 png, ...], "prompts": [...],
                      "metadata": [dict | null, ...] (optional)}
                  -> {"scores": {"shapes": {"score": [...], "strict": [...], ...}}}
+    POST /check  <- {"rewards": [...], "prompts": [...], "metadata": [...] (optional)}
+                 -> {"ok": true} | {"ok": false, "reward": name, "index": i, "error": why}
 
 Errors: 400 for a malformed request (the body says what is wrong: JSON it cannot read, an image
 that is no PNG or has over PIL's Image.MAX_IMAGE_PIXELS pixels, prompts or metadata that a served
-reward's check() rejects), 404 for another path, 411 without Content-Length, 413 for a body over
+reward's check() rejects), 404 for another path, 405 for a path asked with the other method
+(with an Allow header), 411 without Content-Length, 413 for a body over
 --max-request-mb or images that declare more pixels in all than --max-request-mpixels (read from
 their headers, before any is decoded), 422 when a reward's scores are not one finite number per
 image (NaN, say), 500 when a reward raises while scoring (its error in the body; clients retry
