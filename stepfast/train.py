@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -403,9 +405,10 @@ class Trainer:
                 if (cfg.checkpoint_every and it % cfg.checkpoint_every == 0) or it == cfg.iterations:
                     last = self.save(it)
         except BaseException as exc:
+            _stop.stopping = True  # a SIGTERM from here on (the launcher's, after a Ctrl-C) lets this be said
             if self.main:
                 latest = checkpoint.latest(self.out)
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # Ctrl-C has no message
+                why = _why_stopped(exc)
                 resume = "; resume=auto (the same command and output_dir) continues from it" if latest else ""
                 print(f"\nstepfast: training stopped at iteration {it}: {why}\n"
                       f"stepfast: last checkpoint: {latest or 'none'}{resume}", file=sys.stderr)  # fmt: skip
@@ -433,13 +436,67 @@ class Trainer:
             print(f"stepfast: report {self.out / 'report' / 'summary.md'}; metrics {self.out / 'metrics.csv'}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping a run as Ctrl-C does: what `deepspeed` sends every rank when it gets a Ctrl-C
+    (right after the Ctrl-C itself, which would otherwise kill a rank before it says where it stopped),
+    and what `timeout`, a scheduler's time limit or `kill` send."""
+
+
+class _stop:
+    stopping = False  # the trainer is saying where it stopped: a SIGTERM then must not cut it short
+    signalled = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    _stop.signalled = True
+    if not _stop.stopping and sys.exc_info()[1] is None:  # nothing being stopped for already
+        _stop.stopping = True
+        raise Terminated("SIGTERM")
+
+
+def _why_stopped(exc: BaseException) -> str:
+    """The reason a stopped run gives: the exception, on one line; a collective that lost its peer
+    (another rank stopped first: its own error is printed by it) said as such, and a SIGTERM said as
+    what it is."""
+    if isinstance(exc, Terminated) or (_stop.signalled and not isinstance(exc, KeyboardInterrupt)):
+        return "SIGTERM (deepspeed sends it to every rank at a Ctrl-C; or a kill, a time limit)"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if _lost_peer(exc):
+        return f"another rank stopped (it prints its own error); here: {type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__  # Ctrl-C has no message
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective failed because the rank at its other end had gone (gloo's and NCCL's words)."""
+    lost = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
+            "NCCL communicator was aborted")
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in lost)
+
+
 def main(argv=None) -> int:
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    _stop.stopping = _stop.signalled = False
     try:
         return _main(argv)
-    except KeyboardInterrupt as exc:  # Ctrl-C: a line, not a traceback (in training, the trainer's two)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: a line, not a traceback (in training, the trainer's two)
         if not getattr(exc, "stepfast_reported", False) and os.environ.get("RANK", "0") == "0":
-            print("\nstepfast: interrupted before training began or after it ended", file=sys.stderr)
-        return 130
+            what = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+            print(f"\nstepfast: {what} before training began or after it ended", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) or _stop.signalled else 130
+    except Exception as exc:
+        # a collective cut by a SIGTERM, or by another rank that stopped first: rank 0 said where the
+        # run stopped, and the first cause is the other rank's to print; a traceback of the lost
+        # collective on every rank would bury it
+        if not (_stop.signalled or _lost_peer(exc)):
+            raise
+        if not getattr(exc, "stepfast_reported", False) and os.environ.get("RANK", "0") == "0":
+            print(f"\nstepfast: stopped before training began or after it ended: {_why_stopped(exc)}", file=sys.stderr)
+        return 143 if _stop.signalled else 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def print_config_warnings(cfg) -> list[str]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -180,17 +181,24 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     assert list((out / "tensorboard").iterdir())
 
 
-def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path) -> int:
+def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, ranks: int = 1) -> int:
     """Starts the trainer on `config`, sends it `sig` once checkpoint 2 of `out` is complete, and
-    returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run)."""
-    cmd = [sys.executable, str(TRAIN), "--config", str(config)]
+    returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run).
+    With ranks > 1 the run goes through the deepspeed launcher in a process group of its own, and
+    the signal goes to that whole group, as a terminal sends Ctrl-C."""
+    if ranks == 1:
+        cmd = [sys.executable, str(TRAIN), "--config", str(config)]
+    else:
+        cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(TRAIN),
+               "--config", str(config)]  # fmt: skip
     # Ctrl-C as a terminal gives it: a suite started in the background (`make test &` in a script)
     # has SIGINT ignored, which a child inherits and Python then keeps (as it should, for nohup); a
     # signal with a handler here is reset to the default in the child instead
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with err.open("w") as handle:
         try:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=handle, text=True,
+                                    start_new_session=ranks > 1)  # fmt: skip
         finally:
             signal.signal(signal.SIGINT, previous)
         try:
@@ -199,12 +207,18 @@ def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path) -> i
                 assert proc.poll() is None, err.read_text()[-3000:]
                 assert time.time() < deadline
                 time.sleep(0.05)
-            proc.send_signal(sig)
+            if ranks > 1:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
             return proc.wait(timeout=120)
         finally:  # a run that outlived the signal does not train on after the test
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if ranks > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # its ranks too
 
 
 def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
@@ -250,6 +264,52 @@ def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_pa
     last = re.search(r"stepfast: last checkpoint: (\S+); resume=auto \(the same command and output_dir\) continues", stderr)
     assert last and Path(last[1]).parent == out / "checkpoints" and Path(last[1]).name >= "checkpoint-000002"
     assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_sigterm_says_where_training_stopped_as_ctrl_c_does(baseline, tmp_path):
+    """A kill, `timeout` or a scheduler's time limit: where to go on from, exit status 143."""
+    config, _ = baseline
+    out = tmp_path / "run"
+    cfg = {**yaml.safe_load(config.read_text()), "output_dir": str(out), "iterations": 1000}
+    err = tmp_path / "stderr.txt"
+    returncode = signal_after_checkpoint_2(write_config(tmp_path / "cfg.yaml", cfg), out, signal.SIGTERM, err)
+    stderr = err.read_text()
+    assert returncode == 143, stderr[-3000:]
+    assert re.search(r"stepfast: training stopped at iteration \d+: SIGTERM \(deepspeed sends it to every rank at a "
+                     r"Ctrl-C; or a kill, a time limit\)\n", stderr), stderr[-3000:]  # fmt: skip
+    assert "stepfast: last checkpoint: " in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_ctrl_c_to_the_deepspeed_launcher_says_where_training_stopped(baseline, tmp_path):
+    """Ctrl-C reaches the launcher and both ranks, and the launcher follows it with a SIGTERM to each
+    rank at once: rank 0 still says where training stopped and where to go on from, once, and no
+    rank prints a traceback (the launcher's own, of its wait, is DeepSpeed's)."""
+    config, _ = baseline
+    out = tmp_path / "run"
+    cfg = {**yaml.safe_load(config.read_text()), "output_dir": str(out), "iterations": 1000}
+    err = tmp_path / "stderr.txt"
+    signal_after_checkpoint_2(write_config(tmp_path / "cfg.yaml", cfg), out, signal.SIGINT, err, ranks=2)
+    stderr = err.read_text()
+    assert len(re.findall(r"stepfast: training stopped at iteration \d+: (KeyboardInterrupt|SIGTERM)", stderr)) == 1, stderr[-3000:]
+    assert stderr.count("stepfast: last checkpoint: ") == 1, stderr[-3000:]
+    assert "[rank0]: Traceback" not in stderr and "[rank1]: Traceback" not in stderr, stderr[-3000:]
+
+
+def test_a_rank_that_fails_alone_is_the_one_named(model_dir, tmp_path):
+    """One rank's reward raises: rank 0, which finds it gone at a collective, says that another rank
+    stopped and where to go on from, without a traceback of the lost connection; the failing rank's
+    own error is the one traceback."""
+    out = tmp_path / "run"
+    cfg = base_config(model_dir, out, iterations=4, checkpoint_every=1, log={"report": False, "tensorboard": False},
+                      reward={"weights": {"train_helpers:fails_on_rank_1_once_there": 1.0}})  # fmt: skip
+    marker = out / "checkpoints" / "checkpoint-000001" / "COMPLETE"  # it fails in iteration 2
+    proc = train(write_config(tmp_path / "cfg.yaml", cfg), ranks=2, check=False, timeout=300,
+                 extra_env={"STEPFAST_TEST_FAIL_ONCE": str(marker)})  # fmt: skip
+    assert proc.returncode != 0
+    assert re.search(r"stepfast: training stopped at iteration \d: another rank stopped \(it prints its own "
+                     r"error\); here: ", proc.stderr), proc.stderr[-4000:]  # fmt: skip
+    assert proc.stderr.count("Traceback") == 1 and "RuntimeError: the reward broke on rank 1" in proc.stderr, proc.stderr[-4000:]
+    assert f"stepfast: last checkpoint: {out / 'checkpoints' / 'checkpoint-000001'}" in proc.stderr
 
 
 def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys):

@@ -34,3 +34,16 @@ class ScaledBrightness:
 
     def score(self, images, prompts, metadata=None):
         return {"score": self.scale * brightness(images, prompts)["score"]}
+
+
+
+def fails_on_rank_1_once_there(images, prompts, metadata=None):
+    """A reward that breaks on one rank only (a bug in a user's reward), once the file that
+    $STEPFAST_TEST_FAIL_ONCE names exists (a checkpoint's COMPLETE marker, say): the other rank finds
+    it gone at its next collective."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("RANK") == "1" and Path(os.environ["STEPFAST_TEST_FAIL_ONCE"]).exists():
+        raise RuntimeError("the reward broke on rank 1")
+    return brightness(images, prompts)
