@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> Path:
         vae = AutoencoderKL.from_pretrained(vae_dir, local_files_only=True)
         pipe.vae = vae.to(device).eval().requires_grad_(False)
         pipe.register_modules(vae=pipe.vae)
-        vae_losses = [float("nan")]
+        vae_losses = None  # not trained here
     else:
         vae_losses = train_vae(pipe.vae, metadata, cfg, device, vae_rng)
     vae_time = time.perf_counter() - start
@@ -455,11 +455,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     write_pipeline(pipe.to("cpu"), out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(
-        f"wrote {out} ({size / 2**20:.1f} MiB) in {total / 60:.1f} min "
-        f"(VAE {vae_time / 60:.1f} min, final recon loss {np.mean(vae_losses[-50:]):.4f}; "
-        f"transformer loss {np.mean(losses[-100:]):.4f})"
-    )
+    vae_said = (f"VAE of {args.vae}, not trained" if vae_losses is None
+                else f"VAE {vae_time / 60:.1f} min, final recon loss {np.mean(vae_losses[-50:]):.4f}")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB) in {total / 60:.1f} min ({vae_said}; "
+          f"transformer loss {np.mean(losses[-100:]):.4f})")
     return out
 
 
