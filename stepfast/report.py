@@ -297,8 +297,8 @@ def settings_line(cfg) -> str:
     """The settings a reader compares runs by, in one line (all of them are in config.yaml)."""
     rollout, optim = cfg.rollout, cfg.optim
     adapter = f"LoRA rank {cfg.model.lora_rank}" if cfg.model.lora else "full fine-tuning"
-    return (f"Settings: {cfg.iterations} iteration{'s' if cfg.iterations != 1 else ''} of {rollout.groups} groups "
-            f"of {rollout.group_size}, "
+    return (f"Settings: {cfg.iterations} iteration{'s' if cfg.iterations != 1 else ''} of {rollout.groups} "
+            f"group{'s' if rollout.groups != 1 else ''} of {rollout.group_size}, "
             f"{cfg.sde.steps} steps, T' = {rollout.substeps}, CFG {rollout.cfg:g}, {adapter}, lr {optim.lr:g}, "
             f"KL {optim.beta:g}, seed {cfg.seed} (every setting: config.yaml).")
 

@@ -352,6 +352,15 @@ def test_a_point_alone_is_drawn_and_evaluations_of_other_images_are_not_joined(m
         assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_marker() == "o"] == expected
 
 
+def test_the_settings_line_counts_in_words():
+    from stepfast.report import settings_line
+
+    assert settings_line(load_config("default", ["iterations=1", "rollout.groups=1"])).startswith(
+        "Settings: 1 iteration of 1 group of ")
+    assert settings_line(load_config("default", ["iterations=2", "rollout.groups=2"])).startswith(
+        "Settings: 2 iterations of 2 groups of ")
+
+
 def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path):
     path = tmp_path / "metrics.csv"
     path.write_text("iteration,reward\n1,0.5\n")
