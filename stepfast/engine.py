@@ -52,19 +52,25 @@ def _shm_op_files(root: str | os.PathLike | None, name: str) -> list[Path]:
     return sorted([*root.glob(f"{SHM_OP}/{name}"), *root.glob(f"*/{SHM_OP}/{name}")])
 
 
-def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
+def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = None, lock_wait: float = 3.0) -> bool:
     """Whether DeepSpeed's shared-memory op is built from `source` (its install's `ops/csrc`): the
     library is there and its build file compiles that source (a path of its own, not the tail of
     another). Another install (another venv, or the same one reached through another path) rebuilds
     it, for about a minute on 2 cores, when the process group starts. A build under way (its lock
     held, or its build file newer than the library, which torch rewrites first) is not one: another
-    rank of the same run may have begun it a moment before this one looks."""
+    rank of the same run may have begun it a moment before this one looks. torch takes the lock to
+    load a built op too, for a moment: a lock is waited on for up to `lock_wait` seconds before it
+    counts as a build's."""
     pattern = re.compile(rf"(?:^|[\s=]|-I){re.escape(os.fspath(source))}/", re.MULTILINE)
 
     def finished(build: Path) -> bool:
-        library = build.parent / f"{SHM_OP}.so"
-        return (library.is_file() and library.stat().st_mtime >= build.stat().st_mtime
-                and not (build.parent / "lock").exists())  # fmt: skip
+        library, lock = build.parent / f"{SHM_OP}.so", build.parent / "lock"
+        if not (library.is_file() and library.stat().st_mtime >= build.stat().st_mtime):
+            return False
+        deadline = time.monotonic() + lock_wait
+        while lock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not lock.exists()
 
     try:
         return any(finished(b) and pattern.search(b.read_text()) for b in _shm_op_files(root, "build.ninja"))
