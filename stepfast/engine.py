@@ -73,7 +73,7 @@ def shm_op_built(source: str | os.PathLike, root: str | os.PathLike | None = Non
         return not lock.exists()
 
     try:
-        return any(finished(b) and pattern.search(b.read_text()) for b in _shm_op_files(root, "build.ninja"))
+        return any(pattern.search(b.read_text()) and finished(b) for b in _shm_op_files(root, "build.ninja"))
     except OSError:
         return False
 

@@ -138,10 +138,12 @@ def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool, start
     figures and every image's result; a grid cannot be). A file here of another evaluation (an
     earlier start in this folder) is kept as <name>-before-<start>, as `set_aside_later_evaluations`
     keeps one, and a grid with it; a grid that cannot be copied is a warning."""
-    resumed = resumed.resolve()
-    run = resumed.parent.parent if resumed.parent.name == "checkpoints" else None
-    if run is not None and run == out.resolve():
+    # the checkpoint's run: from the path as given (a checkpoints folder may be a link to another
+    # disk), else with its links resolved (a link to a checkpoint)
+    run = next((p.parent.parent for p in (resumed, resumed.resolve()) if p.parent.name == "checkpoints"), None)
+    if run is not None and run.resolve() == out.resolve():
         return
+    resumed = resumed.resolve()
 
     def same(data, held) -> bool:  # NaN (a reward without pass/fail) equals itself in JSON's text
         return isinstance(data, dict) and json.dumps(data.get("overall"), sort_keys=True) == json.dumps(

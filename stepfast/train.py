@@ -437,66 +437,90 @@ class Trainer:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, stopping a run as Ctrl-C does: what `deepspeed` sends every rank when it gets a Ctrl-C
+    """SIGTERM, stopping a run as Ctrl-C does: what `deepspeed` sends each rank when it gets a Ctrl-C
     (right after the Ctrl-C itself, which would otherwise kill a rank before it says where it stopped),
     and what `timeout`, a scheduler's time limit or `kill` send."""
 
 
 class _stop:
-    stopping = False  # the trainer is saying where it stopped: a SIGTERM then must not cut it short
-    signalled = False
+    stopping = False  # the trainer is saying where it stopped: a SIGTERM then is noted, not raised
+    signalled = False  # a SIGTERM came
 
 
 def _on_sigterm(signum, frame) -> None:
     _stop.signalled = True
-    if not _stop.stopping and sys.exc_info()[1] is None:  # nothing being stopped for already
-        _stop.stopping = True
+    if not _stop.stopping:
         raise Terminated("SIGTERM")
 
 
 def _why_stopped(exc: BaseException) -> str:
-    """The reason a stopped run gives: the exception, on one line; a collective that lost its peer
-    (another rank stopped first: its own error is printed by it) said as such, and a SIGTERM said as
-    what it is."""
-    if isinstance(exc, Terminated) or (_stop.signalled and not isinstance(exc, KeyboardInterrupt)):
+    """The reason a stopped run gives: the exception; a collective that lost its peer (another rank
+    stopped first, and prints its own error) said as such on one line, and a SIGTERM, or a peer lost
+    to one, as what it is."""
+    if isinstance(exc, Terminated) or (_stop.signalled and _lost_peer(exc)):
         return "SIGTERM (deepspeed sends it to every rank at a Ctrl-C; or a kill, a time limit)"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if _lost_peer(exc):
-        return f"another rank stopped (it prints its own error); here: {type(exc).__name__}: {text}"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__  # Ctrl-C has no message
+        first = str(exc).strip().splitlines()[0]
+        return f"another rank stopped (it prints its own error); here: {type(exc).__name__}: {first}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # Ctrl-C has no message
 
 
 def _lost_peer(exc: BaseException) -> bool:
-    """A collective failed because the rank at its other end had gone (gloo's and NCCL's words)."""
-    lost = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
-            "NCCL communicator was aborted")
-    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in lost)
+    """A collective of a run of several ranks failed because the rank at its other end had gone:
+    gloo's (or NCCL's) words for it, raised from torch.distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(exc, RuntimeError):
+        return False
+    if isinstance(exc, RewardServerError):  # its message may quote a reset connection: the server's
+        return False
+    words = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
+             "NCCL communicator was aborted")
+    if not any(w in str(exc) for w in words):
+        return False
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.replace(os.sep, "/"))
+        tb = tb.tb_next
+    return any("/torch/distributed/" in f or "/deepspeed/comm/" in f for f in frames)
 
 
-def main(argv=None) -> int:
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    _stop.stopping = _stop.signalled = False
+def main(argv=None, handle_sigterm: bool = False) -> int:
+    """The trainer; `handle_sigterm` (the script's entry point) turns SIGTERM into a stop that says
+    where it stopped, as Ctrl-C's does, and exits at once after it (os._exit: a reward request still
+    in flight would hold the process past the launcher's patience)."""
+    previous, installed = None, False
+    try:
+        _stop.stopping = _stop.signalled = False
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            previous, installed = signal.signal(signal.SIGTERM, _on_sigterm), True
+        code = _run(argv)
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if installed and _stop.signalled:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: a line, not a traceback (in training, the trainer's two)
         if not getattr(exc, "stepfast_reported", False) and os.environ.get("RANK", "0") == "0":
             what = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
             print(f"\nstepfast: {what} before training began or after it ended", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) or _stop.signalled else 130
-    except Exception as exc:
-        # a collective cut by a SIGTERM, or by another rank that stopped first: rank 0 said where the
-        # run stopped, and the first cause is the other rank's to print; a traceback of the lost
-        # collective on every rank would bury it
-        if not (_stop.signalled or _lost_peer(exc)):
+        return 143 if isinstance(exc, Terminated) else 130
+    except RuntimeError as exc:
+        # a collective cut by another rank that stopped first (or by a SIGTERM): the first rank said
+        # where the run stopped, and the first cause is the other rank's to print; a traceback of the
+        # lost collective on every rank would bury it
+        if not _lost_peer(exc):
             raise
-        if not getattr(exc, "stepfast_reported", False) and os.environ.get("RANK", "0") == "0":
-            print(f"\nstepfast: stopped before training began or after it ended: {_why_stopped(exc)}", file=sys.stderr)
+        if not getattr(exc, "stepfast_reported", False):
+            rank = os.environ.get("RANK", "0")
+            print(f"\nstepfast: rank {rank}: stopped: {_why_stopped(exc)}", file=sys.stderr)
         return 143 if _stop.signalled else 1
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def print_config_warnings(cfg) -> list[str]:
@@ -560,4 +584,4 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(handle_sigterm=True))

@@ -211,7 +211,17 @@ def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, rank
                 os.killpg(proc.pid, sig)
             else:
                 proc.send_signal(sig)
-            return proc.wait(timeout=120)
+            code = proc.wait(timeout=120)
+            # the `deepspeed` runner exits soon after a Ctrl-C, its launcher and ranks after it: wait for
+            # them all (the launcher gives each rank 30 s after its SIGTERM)
+            deadline = time.time() + 90
+            while ranks > 1 and time.time() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            return code
         finally:  # a run that outlived the signal does not train on after the test
             if proc.poll() is None:
                 proc.kill()
@@ -282,8 +292,8 @@ def test_sigterm_says_where_training_stopped_as_ctrl_c_does(baseline, tmp_path):
 
 def test_ctrl_c_to_the_deepspeed_launcher_says_where_training_stopped(baseline, tmp_path):
     """Ctrl-C reaches the launcher and both ranks, and the launcher follows it with a SIGTERM to each
-    rank at once: rank 0 still says where training stopped and where to go on from, once, and no
-    rank prints a traceback (the launcher's own, of its wait, is DeepSpeed's)."""
+    rank in turn: rank 0 still says where training stopped and where to go on from, once, and no
+    rank prints a traceback (the runner's own, of its wait, is DeepSpeed's)."""
     config, _ = baseline
     out = tmp_path / "run"
     cfg = {**yaml.safe_load(config.read_text()), "output_dir": str(out), "iterations": 1000}
@@ -310,6 +320,44 @@ def test_a_rank_that_fails_alone_is_the_one_named(model_dir, tmp_path):
                      r"error\); here: ", proc.stderr), proc.stderr[-4000:]  # fmt: skip
     assert proc.stderr.count("Traceback") == 1 and "RuntimeError: the reward broke on rank 1" in proc.stderr, proc.stderr[-4000:]
     assert f"stepfast: last checkpoint: {out / 'checkpoints' / 'checkpoint-000001'}" in proc.stderr
+
+
+def test_only_a_collective_that_lost_its_peer_is_said_as_one(monkeypatch):
+    """'Another rank stopped' is said of gloo's error in a run of several ranks, raised in
+    torch.distributed: not of a user's error that quotes a broken pipe, nor of a reward server's
+    reset connection (a RuntimeError too), nor on one rank; its first line only."""
+    from stepfast import train as train_module
+    from stepfast.rewards.transport import RewardServerError
+
+    def raised(exc: BaseException, where: str) -> BaseException:
+        try:
+            exec(compile("raise exc", where, "exec"), {"exc": exc})
+        except BaseException as caught:
+            return caught
+
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1\nmore"
+    in_collective = raised(RuntimeError(gloo), "/venv/site-packages/torch/distributed/distributed_c10d.py")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_module._lost_peer(in_collective)
+    assert train_module._why_stopped(in_collective) == (
+        "another rank stopped (it prints its own error); here: RuntimeError: [../third_party/gloo/gloo/transport/"
+        "tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert not train_module._lost_peer(raised(RuntimeError(gloo), "/home/me/my_reward.py"))
+    server = RewardServerError("http://x", 6, "ConnectionResetError: [Errno 104] Connection reset by peer")
+    assert not train_module._lost_peer(raised(server, "/venv/site-packages/torch/distributed/x.py"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not train_module._lost_peer(in_collective)
+
+
+def test_main_in_process_leaves_sigterm_alone(monkeypatch):
+    """Only the script's entry point turns SIGTERM into a stop: a caller of main() keeps its own."""
+    from stepfast import train as train_module
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    monkeypatch.setattr(train_module, "_main", lambda argv: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    assert train_module.main([]) == 0 and seen == [before]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys):
@@ -799,6 +847,13 @@ def test_evaluations_brought_from_another_folder_replace_none_of_this_ones(tmp_p
     files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     bring_evaluations(out, ckpt, {"before": held}, report=True, start=3)  # again: nothing to do
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files and capsys.readouterr().out == ""
+    # a run's own checkpoint, its checkpoints folder a link to another disk: nothing to bring
+    disk = tmp_path / "disk"
+    (run / "checkpoints").rename(disk)
+    (run / "checkpoints").symlink_to(disk)
+    (run / "eval_before.json").unlink()
+    bring_evaluations(run, run / "checkpoints" / "checkpoint-000002", {"before": held}, report=True, start=3)
+    assert not (run / "eval_before.json").exists() and capsys.readouterr().out == ""
 
 
 def test_a_second_resume_at_the_same_iteration_keeps_both_attempts_evaluations(tmp_path, capsys):
