@@ -288,6 +288,14 @@ def test_sigterm_says_where_training_stopped_as_ctrl_c_does(baseline, tmp_path):
     assert re.search(r"stepfast: training stopped at iteration \d+: SIGTERM \(deepspeed sends it to every rank at a "
                      r"Ctrl-C; or a kill, a time limit\)\n", stderr), stderr[-3000:]  # fmt: skip
     assert "stepfast: last checkpoint: " in stderr and "Traceback" not in stderr, stderr[-3000:]
+    # TensorBoard's writer holds what it has not written (every two minutes): flushed at the stop
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    last = metrics(out)[-1]
+    logged = [tag for tag, value in last.items() if tag != "iteration" and value is not None]
+    assert logged and all(events.Scalars(tag)[-1].step == int(last["iteration"]) for tag in logged)
 
 
 def test_ctrl_c_to_the_deepspeed_launcher_says_where_training_stopped(baseline, tmp_path):
