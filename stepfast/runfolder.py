@@ -109,8 +109,7 @@ def set_aside_later_evaluations(out: Path, start: int) -> None:
     later += [p for p in out.glob("eval_iter*.json") if (eval_iteration(p.stem[5:], 0) or 0) >= start]
     moved = {}
     for path in sorted(p for p in later if p.is_file()):
-        kept = _first_free(path.with_name(f"{path.stem}-before-{start}{'' if n == 1 else f'-{n}'}{path.suffix}")
-                           for n in itertools.count(1))  # fmt: skip
+        kept = _kept_name(path, start)
         os.replace(path, kept)
         moved[path] = kept
     summary = moved.pop(report / "summary.md", None)
@@ -158,8 +157,7 @@ def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool, start
     brought, written, kept = [], [], []
 
     def set_aside(path: Path) -> None:
-        aside = _first_free(path.with_name(f"{path.stem}-before-{start}{'' if n == 1 else f'-{n}'}{path.suffix}")
-                            for n in itertools.count(1))  # fmt: skip
+        aside = _kept_name(path, start)
         os.replace(path, aside)
         kept.append(str(aside.relative_to(out)))
 
@@ -184,7 +182,7 @@ def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool, start
         try:
             if grid.exists():
                 set_aside(grid)
-            if source is not None and source.is_file() and same(read(run / "eval_before.json"), evals["before"]):
+            if "eval_before.json" in brought and source.is_file():  # copied from the run just above
                 grid.parent.mkdir(parents=True, exist_ok=True)
                 write_atomically(grid, lambda tmp: shutil.copyfile(source, tmp))
                 brought.append(str(grid.relative_to(out)))
@@ -199,6 +197,13 @@ def bring_evaluations(out: Path, resumed: Path, evals: dict, report: bool, start
     if written:
         print(f"stepfast: {', '.join(written)} written from the checkpoint {resumed}, which this run continues, "
               "for this folder's report")
+
+
+def _kept_name(path: Path, start: int) -> Path:
+    """Where a file a resume at `start` sets aside is kept: <name>-before-<start>, -2, -3, ... after an
+    earlier resume at `start` kept one."""
+    return _first_free(path.with_name(f"{path.stem}-before-{start}{'' if n == 1 else f'-{n}'}{path.suffix}")
+                       for n in itertools.count(1))  # fmt: skip
 
 
 def _first_free(names: Iterable[Path]) -> Path:
