@@ -34,7 +34,7 @@ import torch
 
 from stepfast.kernels import sde_logprob, sde_step_with_logprob, select_backend
 from flow_grpo_baseline import flow_grpo_logprob, flow_grpo_step_with_logprob  # tests/, checked there
-from kernel_wrapper_cases import check_wrapper_case, wrapper_cases  # tests/, checked there on CPU
+from kernel_wrapper_cases import bytes_of, check_wrapper_case, wrapper_cases  # tests/, checked there on CPU
 from machine import cpu_name, omp_policy  # OMP_WAIT_POLICY=PASSIVE, set by conftest.py before torch loads
 
 SHAPES = [(24, 16, 64, 64), (24, 16, 128, 128)]
@@ -44,10 +44,6 @@ CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 ACCEPTANCE = dict(device="cpu", shape=(24, 16, 64, 64), op="logprob_fwd_bwd", min_speedup=3.0, max_vs_copy=2.0)
 HBM_PEAK = float(os.environ.get("STEPFAST_HBM_PEAK_BYTES_PER_S", "4.8e12"))
-
-
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def make_case(device: str, shape: tuple[int, ...], op: str) -> tuple[dict, int]:
@@ -67,7 +63,7 @@ def make_case(device: str, shape: tuple[int, ...], op: str) -> tuple[dict, int]:
     x, v, other = rand(), rand(v_dtype), rand()  # other: the noise (step) or the stored sample
     grad_lp = torch.full((b,), 1.0 / b, device=device)
     if op == "step":
-        nbytes = _bytes(x, v, other) + x.numel() * 4  # + the float32 sample written
+        nbytes = bytes_of(x, v, other) + x.numel() * 4  # + the float32 sample written
 
         def eager():
             with torch.no_grad():
@@ -78,7 +74,7 @@ def make_case(device: str, shape: tuple[int, ...], op: str) -> tuple[dict, int]:
                 return sde_step_with_logprob("flow_sde", x, v, t_host, s_host, other)
 
     elif op == "logprob_fwd":
-        nbytes = _bytes(x, v, other)
+        nbytes = bytes_of(x, v, other)
 
         def eager():
             with torch.no_grad():
@@ -89,7 +85,7 @@ def make_case(device: str, shape: tuple[int, ...], op: str) -> tuple[dict, int]:
                 return sde_logprob("flow_sde", x, v, t_host, s_host, other)
 
     else:
-        nbytes = _bytes(x, v, other) + _bytes(v)  # + grad_v written
+        nbytes = bytes_of(x, v, other) + bytes_of(v)  # + grad_v written
 
         def eager():
             vg = v.detach().requires_grad_()

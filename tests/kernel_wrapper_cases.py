@@ -10,7 +10,8 @@ import torch
 from stepfast.kernels import sde_logprob, sde_step_with_logprob
 
 
-def _bytes(*tensors: torch.Tensor) -> int:
+def bytes_of(*tensors: torch.Tensor) -> int:
+    """Bytes the tensors hold (what a kernel reads or writes of them, once)."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -55,15 +56,15 @@ def wrapper_cases(shape: tuple[int, ...], device: str, v_dtype: torch.dtype, pat
         return torch.autograd.grad(loss, wrt)
 
     return {
-        "step fwd": (lambda: sde_step_fwd(x, v, z, coef, patch, True), _bytes(x, v, z) + x.numel() * 4, step_ref),
-        "logprob fwd": (lambda: sde_logprob_fwd(x, v, smp, None, coef, patch)[:1], _bytes(x, v, smp),
+        "step fwd": (lambda: sde_step_fwd(x, v, z, coef, patch, True), bytes_of(x, v, z) + x.numel() * 4, step_ref),
+        "logprob fwd": (lambda: sde_logprob_fwd(x, v, smp, None, coef, patch)[:1], bytes_of(x, v, smp),
                         lambda: logprob_ref(False)),
-        "logprob+kl fwd": (lambda: sde_logprob_fwd(x, v, smp, v_ref, coef, patch), _bytes(x, v, smp, v_ref),
+        "logprob+kl fwd": (lambda: sde_logprob_fwd(x, v, smp, v_ref, coef, patch), bytes_of(x, v, smp, v_ref),
                            lambda: logprob_ref(True)),
         "logprob bwd": (lambda: sde_logprob_bwd(x, v, smp, None, coef, patch, grad_lp, None, False)[:1],
-                        _bytes(x, v, smp, v), lambda: grad_ref(False)),
+                        bytes_of(x, v, smp, v), lambda: grad_ref(False)),
         "logprob+kl bwd": (lambda: sde_logprob_bwd(x, v, smp, v_ref, coef, patch, grad_lp, grad_kl, True),
-                           _bytes(x, v, smp, v_ref, v, v_ref), lambda: grad_ref(True)),
+                           bytes_of(x, v, smp, v_ref, v, v_ref), lambda: grad_ref(True)),
     }  # fmt: skip
 
 
