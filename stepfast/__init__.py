@@ -26,3 +26,28 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
 # unable to detect it", at every start (and in pretrain, which imports it through accelerate). The
 # trainer's own first line says where it runs ("2 ranks on cpu").
 logging.getLogger("DeepSpeed").addFilter(_DropNotice("Setting accelerator to CPU. If you have GPU"))
+
+
+def quiet_ctrl_c_while_starting(command: str) -> None:
+    """A command's first step when run as one, before its imports (seconds of torch, diffusers and
+    DeepSpeed): a Ctrl-C among them ends it with one line, `<command>: interrupted while starting`,
+    and exit status 130, not a traceback from inside an import; nothing has been written by then.
+    Under a launcher every rank gets the Ctrl-C and the first says it. `ctrl_c_as_usual()`, once the
+    imports are done, gives Ctrl-C back to the command's own handling."""
+    import os
+    import signal
+    import sys
+
+    def interrupted(signum, frame):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{command}: interrupted while starting", file=sys.stderr)
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
+def ctrl_c_as_usual() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (Python's own handler), for the command to handle."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -23,6 +23,11 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("python -m stepfast.evaluate")
+
 import torch
 
 from stepfast import heldout
@@ -240,4 +245,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from stepfast import ctrl_c_as_usual
+
+    ctrl_c_as_usual()
     sys.exit(cli())

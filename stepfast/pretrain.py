@@ -39,6 +39,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("python -m stepfast.pretrain")
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -474,4 +479,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from stepfast import ctrl_c_as_usual
+
+    ctrl_c_as_usual()
     sys.exit(cli())

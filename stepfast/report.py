@@ -7,6 +7,11 @@ import math
 
 from pathlib import Path
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("python -m stepfast.report")
+
 import numpy as np
 
 
@@ -533,11 +538,14 @@ def main(argv: list[str] | None = None) -> int:
         report = rebuild_report(args.run_dir)
     except RunFolderError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; the run's files are only read
+        parser.exit(130, f"\n{parser.prog}: interrupted; run it again to rebuild the report\n")
     print(f"wrote {report / 'summary.md'}")
     return 0
 
 
 if __name__ == "__main__":
-    import sys
+    from stepfast import ctrl_c_as_usual
 
-    sys.exit(main())
+    ctrl_c_as_usual()
+    raise SystemExit(main())

@@ -53,6 +53,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("stepfast reward server")
+
 import numpy as np
 
 if TYPE_CHECKING:
@@ -620,4 +625,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from stepfast import ctrl_c_as_usual
+
+    ctrl_c_as_usual()
     sys.exit(main())

@@ -25,6 +25,11 @@ from typing import NamedTuple
 if __package__ in (None, ""):  # run as a script (deepspeed stepfast/train.py): import the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("stepfast")
+
 import torch
 from tqdm import tqdm
 
@@ -584,4 +589,7 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from stepfast import ctrl_c_as_usual
+
+    ctrl_c_as_usual()
     sys.exit(main(handle_sigterm=True))

@@ -29,6 +29,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C among them is a line, not a traceback
+    from stepfast import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("python -m stepfast.value_check")
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -339,4 +344,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from stepfast import ctrl_c_as_usual
+
+    ctrl_c_as_usual()
     sys.exit(cli())

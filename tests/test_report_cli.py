@@ -377,3 +377,23 @@ def test_a_file_where_the_report_folder_goes_is_an_error_and_stays(run):
     assert_cli_error(run_cli(str(run)), str(run / "report"), "is a file, not the run's report folder")
     assert (run / "report").read_text() == "my notes\n"
     assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
+
+
+def test_ctrl_c_during_a_rebuild_is_a_line_and_leaves_no_temporary_folder(run, monkeypatch, capsys):
+    """The plots take seconds; a Ctrl-C among them was a traceback from inside matplotlib."""
+    import stepfast.report
+
+    run, _, _ = run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stepfast.report, "write_report", interrupted)
+    try:
+        with pytest.raises(SystemExit) as info:
+            stepfast.report.main([str(run)])
+    except KeyboardInterrupt:  # not let out: it would stop the test session
+        pytest.fail("the report let the Ctrl-C out")
+    assert info.value.code == 130
+    assert capsys.readouterr().err == "\npython -m stepfast.report: interrupted; run it again to rebuild the report\n"
+    assert not [p for p in run.iterdir() if p.name.startswith(".report-")]
