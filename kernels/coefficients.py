@@ -133,7 +133,7 @@ def step_coefficients(
     t64 = times(t, batch, device, "t").double()
     s64 = times(s, batch, device, "s").double()
     if check:
-        check_times(t64, s64)
+        check_times(t, s)  # as given: a single time is not named by a sample
     std = sde.step_std(kind, t64, s64, **params).double().expand(batch)
     if kind == "ode":
         ca, cb = torch.ones_like(t64), s64 - t64

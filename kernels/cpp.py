@@ -71,6 +71,7 @@ if AVAILABLE:
         # residuals into the gradients in place, so the second recomputes them from the inputs, kept as
         # references here (not saved tensors, so that the first backward does not need them unchanged).
         ctx.inputs = (x_t, v, sample, v_ref, coef)
+        ctx.versions = tuple(u._version if u is not None else None for u in ctx.inputs)  # checked then
         ctx.consumed = False
         ctx.mark_non_differentiable(residual, dv)
         ctx.set_materialize_grads(False)  # no zero gradients of the residuals' size
@@ -91,6 +92,7 @@ if AVAILABLE:
             grad_kl = None
         want_vr = ctx.v_ref_dtype is not None and ctx.needs_input_grad[3] and grad_kl is not None
         if ctx.consumed:  # a second backward through this node: the residuals are the first gradients
+            _check_unchanged(ctx)
             x_t, v, sample, v_ref, coef = ctx.inputs
             with torch.no_grad():
                 _, _, residual, dv = torch.ops.stepfast.sde_logprob(x_t, v, sample, v_ref, coef, ctx.patch_size, True)
@@ -124,6 +126,20 @@ if AVAILABLE:
         )
 
     torch.library.register_autograd("stepfast::sde_logprob", _backward, setup_context=_setup_context)
+
+    def _check_unchanged(ctx) -> None:
+        """The inputs a second backward recomputes the residuals from are those of the forward: one
+        changed in place since (a rollout buffer reused) would give other gradients without a word;
+        an error, as autograd gives for a saved tensor changed so."""
+        names = ("x_t", "v", "sample", "v_ref", "coef")
+        changed = [name for name, u, version in zip(names, ctx.inputs, ctx.versions)
+                   if u is not None and u._version != version]  # fmt: skip
+        if changed:
+            raise RuntimeError(
+                f"{' and '.join(changed)} of stepfast's sde_logprob {'was' if len(changed) == 1 else 'were'} modified "
+                "by an inplace operation after its forward: a second backward through it (retain_graph=True) "
+                "recomputes from its inputs, which must be as they were; clone them before changing them"
+            )
 
 
 def sde_step(x_t, v, noise, coef, patch_size: int | None, with_logprob: bool):

@@ -27,6 +27,7 @@ from .coefficients import as_time_tensor, check_times, step_coefficients
 BACKENDS = ("torch", "cpp", "triton")
 ENV_VAR = "STEPFAST_KERNELS"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_PATCH_SIZE = 1024  # a row piece of csrc/'s tokens kernels (kChunk elements) holds whole patches
 
 
 class StepWithLogProb(NamedTuple):
@@ -107,6 +108,9 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         optional = name in ("noise", "v_ref")  # drawn when None; no KL when None
         if not isinstance(tensor, torch.Tensor) and not (optional and tensor is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if isinstance(tensor, torch.Tensor) and (tensor.is_complex() or tensor.dtype == torch.bool):
+            raise TypeError(f"{name} must hold real numbers (float32, bfloat16 or float16; float64 and integers are "
+                            f"computed as float32), got {tensor.dtype}")  # fmt: skip
     named = {"x_t": x_t, **others, **dict(zip(("t", "s"), times))}
     meta = [name for name, u in named.items() if isinstance(u, torch.Tensor) and u.is_meta]
     if meta:
@@ -128,6 +132,9 @@ def _check(kind: str, x_t: torch.Tensor, others: dict, convention: str, reduce: 
         if isinstance(patch_size, bool) or not isinstance(patch_size, numbers.Integral) or patch_size < 1:
             raise ValueError(f"reduce='tokens' needs patch_size, the DiT's patch size (2 for SD3): a whole number "
                              f">= 1, got {patch_size!r}")  # fmt: skip
+        if patch_size > MAX_PATCH_SIZE:
+            raise ValueError(f"patch_size must be at most {MAX_PATCH_SIZE}, the widest the CPU kernels take (SD3's "
+                             f"is 2), got {patch_size}")  # fmt: skip
         if x_t.dim() != 4:
             raise ValueError(f"reduce='tokens' needs [B, C, H, W] latents, got shape {tuple(x_t.shape)}")
         if x_t.shape[2] % patch_size or x_t.shape[3] % patch_size:

@@ -90,13 +90,14 @@ def sampler_params(kind: str, params: dict) -> dict:
 
 
 def _number(value, name: str, top: float) -> float:
-    """`value` as a float in [0, top], or a ValueError naming the parameter."""
+    """`value` as a float in [0, top] (finite), or a ValueError naming the parameter."""
     try:
         number = float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not 0 <= number <= top:  # also NaN
-        raise ValueError(f"{name} must be in [0, {top:g}], got {number}")
+    if not 0 <= number <= top or math.isinf(number):  # also NaN
+        raise ValueError(f"{name} must be {f'in [0, {top:g}]' if top < math.inf else 'a finite number >= 0'}, "
+                         f"got {number}")  # fmt: skip
     return number
 
 

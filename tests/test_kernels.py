@@ -429,6 +429,15 @@ def test_errors_name_the_problem(backend):
         sde_logprob("ddim", x, v.tolist(), 0.5, 0.4, smp, backend=backend)
     with pytest.raises(TypeError, match="sample must be a torch.Tensor, got NoneType"):
         sde_logprob("ddim", x, v, 0.5, 0.4, None, backend=backend)
+    # complex and bool tensors were read as their real part and as 0/1, without a word
+    with pytest.raises(TypeError, match=r"^v must hold real numbers .*, got torch.complex64$"):
+        sde_logprob("ddim", x, v.to(torch.complex64), 0.5, 0.4, smp, backend=backend)
+    with pytest.raises(TypeError, match=r"^noise must hold real numbers .*, got torch.bool$"), torch.no_grad():
+        sde_step_with_logprob("ddim", x, v, 0.5, 0.4, inp["noise"] > 0, backend=backend)
+    # the C++ kernels take patches of up to 1024: every backend refuses a wider one, not that one alone
+    wide = torch.zeros(1, 1, 1026, 1026)
+    with pytest.raises(ValueError, match="^patch_size must be at most 1024, the widest the CPU kernels take .*got 1026$"):
+        sde_logprob("ddim", wide, wide, 0.5, 0.4, wide, reduce="tokens", patch_size=1026, backend=backend)
     # a step whose std is 0 refuses its Gaussian log-prob first, whether or not a KL is asked for
     with pytest.raises(ValueError, match="log_prob of a deterministic step"):
         sde_logprob("ddim", x, v, 1.0, 0.9, smp, v_ref=v, backend=backend)
@@ -474,7 +483,9 @@ def test_bad_times_parameters_and_gradients_are_named_on_every_backend(backend):
     for kind, t, s, message in [
         ("flow_sde", 0.5, 0.7, "a step goes from t down to s < t, got t = 0.5 and s = 0.7"),
         ("ddim", 0.5, 0.5, "a step goes from t down to s < t"),
-        ("ddim", 1.2, 0.9, r"t must lie in \[0, 1\] \(1 is noise, 0 is data\), got t = 1.2"),
+        ("ddim", 1.2, 0.9, r"t must lie in \[0, 1\] \(1 is noise, 0 is data\), got t = 1.2$"),  # no "(sample 0)"
+        ("ddim", torch.tensor([0.5, 1.2, 0.5]), 0.4, r"got t = 1.2 \(sample 1\)$"),
+        ("ddim", 0.5, 0.5, "got t = 0.5 and s = 0.5$"),
         ("ddim", 0.5, -0.1, r"s must lie in \[0, 1\]"),
         ("cps", float("nan"), 0.4, "t holds NaN or inf"),
         ("cps", torch.tensor([0.6, 0.7, float("inf")]), 0.4, "t holds NaN or inf"),
@@ -490,7 +501,8 @@ def test_bad_times_parameters_and_gradients_are_named_on_every_backend(backend):
         ("ddim", {"eta": float("nan")}, "eta must be in"),
         ("ddim", {"eta": None}, "eta must be a number, got None"),
         ("cps", {"noise_level": 2.0}, r"noise_level must be in \[0, 1\], got 2.0"),
-        ("flow_sde", {"noise_level": -0.7}, r"noise_level must be in \[0, inf\], got -0.7"),
+        ("flow_sde", {"noise_level": -0.7}, r"noise_level must be a finite number >= 0, got -0.7"),
+        ("flow_sde", {"noise_level": float("inf")}, r"noise_level must be a finite number >= 0, got inf"),
     ]:
         with pytest.raises(ValueError, match=message):
             sde_logprob(kind, x, v, 0.5, 0.4, smp, backend=backend, **params)
@@ -764,6 +776,29 @@ def test_backward_twice_with_retain_graph(backend):
     assert torch.equal(v.grad, 2 * first[0]) and torch.equal(v_ref.grad, 2 * first[1])  # g + g = 2g exactly
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_a_second_backward_after_an_input_changed_in_place_is_an_error_or_the_same(backend):
+    """The cpp backward spends its saved residuals on the first gradient, and a second backward
+    (retain_graph=True) recomputes them from the inputs: with `sample` changed in place in between (a
+    rollout buffer reused) it gave another gradient without a word. Now it is an error naming the
+    input, as autograd's for Triton's saved inputs; the torch backend saved what it needs and gives
+    the same gradient again."""
+    inp = make_inputs("ddim", "tokens_p2")
+    sample = inp["sample"].clone()
+    v = inp["v"].clone().requires_grad_()
+    lp, kl = sde_logprob("ddim", inp["x_t"], v, inp["t"], inp["s"], sample, inp["v_ref"], reduce="tokens",
+                         patch_size=2, backend=backend)  # fmt: skip
+    loss = upstream(lp, kl)
+    first = torch.autograd.grad(loss, v, retain_graph=True)[0]
+    sample.add_(1.0)
+    if backend == "torch":
+        assert torch.equal(torch.autograd.grad(loss, v)[0], first)
+        return
+    named = "^sample of stepfast's sde_logprob was modified by an inplace operation after its forward"
+    with pytest.raises(RuntimeError, match=named if backend == "cpp" else "modified by an inplace operation"):
+        torch.autograd.grad(loss, v)
+
+
 @pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
 def test_cpp_ops_pass_opcheck():
     """Schema, fake (meta) kernels and the registered autograd formula, as torch.compile needs them."""
@@ -984,11 +1019,16 @@ def test_times_as_lists_and_arrays_on_every_backend(backend):
 
 
 @pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
+@pytest.mark.skipif(not cpp_backend.AVAILABLE, reason="stepfast._C not built")
 def test_cpp_refuses_a_patch_wider_than_its_row_piece():
-    """A patch above 1024 elements would leave the C++ kernels' row pieces empty (an endless loop)."""
+    """A patch above 1024 elements would leave the C++ kernels' row pieces empty (an endless loop):
+    the op itself refuses it, called directly (the dispatcher refuses it first, on every backend)."""
+    from stepfast.kernels.coefficients import step_coefficients
+
     x = torch.zeros(1, 1, 1025, 1025)
+    coef = step_coefficients("ddim", 0.8, 0.7, 1, x[0].numel(), 1025**2, "gaussian", "tokens", x.device)
     with pytest.raises(RuntimeError, match="patch_size 1025 is above 1024"):
-        sde_step_with_logprob("ddim", x, x, 0.8, 0.7, x, reduce="tokens", patch_size=1025, backend="cpp")
+        torch.ops.stepfast.sde_step(x, x, x, coef, 1025, True)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
