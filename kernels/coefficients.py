@@ -152,7 +152,7 @@ def step_coefficients(
     w = 1.0 if reduce == "sum" else 1.0 / reduced
     if convention == "gaussian":
         if check_std and bool((std <= 0).any()):
-            raise ValueError(sde.deterministic_step_error(std))
+            raise ValueError(sde.deterministic_step_error(std, t64, s64))
         lp_scale = -w / (2 * std**2)
         lp_const = -(torch.log(std) + _LOG_SQRT_2PI) * (w * reduced)
     else:

@@ -136,16 +136,21 @@ KL_OF_A_DETERMINISTIC_STEP = (
 )
 
 
-def deterministic_step_error(std: torch.Tensor) -> str:
+def deterministic_step_error(std: torch.Tensor, t=None, s=None) -> str:
     """The error for a Gaussian log-probability of a step with std = 0, naming the samples (of
-    per-sample times) whose std it is when not all of them."""
-    where = ""
+    per-sample times) whose std it is when not all of them, and where the times are given (per
+    sample, as std) the step t -> s of the first."""
     zero = (std.reshape(-1) <= 0).nonzero().reshape(-1).tolist()
+    step = ""
+    if t is not None and s is not None and zero:
+        step = f"t = {float(t.reshape(-1)[zero[0]]):.6g} -> s = {float(s.reshape(-1)[zero[0]]):.6g}"
+    what = f"(std = 0{' at ' + step if step else ''})"
     if len(zero) < std.numel():
         shown = ", ".join(map(str, zero[:8])) + (", ..." if len(zero) > 8 else "")
-        where = f" at sample{'s' if len(zero) > 1 else ''} {shown} of {std.numel()}"
+        first = f" (the first at {step})" if step and len(zero) > 1 else f" ({step})" if step else ""
+        what = f"(std = 0) at sample{'s' if len(zero) > 1 else ''} {shown} of {std.numel()}{first}"
     return (
-        f"log_prob of a deterministic step (std = 0){where}: such a step carries no log-probability "
+        f"log_prob of a deterministic step {what}: such a step carries no log-probability "
         "(see stepfast.sde.degenerate_steps)"
     )
 

@@ -400,11 +400,13 @@ def test_no_grad_forward_equals_grad_forward():
 def test_errors_name_the_problem(backend):
     inp = make_inputs("ddim", "mean_prime")
     x, v, smp = inp["x_t"], inp["v"], inp["sample"]
-    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\): "):  # ddim at t = 1 has std 0
+    # ddim at t = 1 has std 0; the step is named by its times, and by its samples for per-sample times
+    with pytest.raises(ValueError, match=r"deterministic step \(std = 0 at t = 1 -> s = 0.9\): "):
         sde_logprob("ddim", x, v, 1.0, 0.9, smp, backend=backend)
-    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\) at sample 1 of 3: "):  # per-sample times
+    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\) at sample 1 of 3 \(t = 1 -> s = 0.9\): "):
         sde_logprob("ddim", x, v, torch.tensor([0.6, 1.0, 0.5]), torch.tensor([0.4, 0.9, 0.3]), smp, backend=backend)
-    with pytest.raises(ValueError, match=r"deterministic step \(std = 0\) at samples 0, 2 of 3: "), torch.no_grad():
+    first = r"\(std = 0\) at samples 0, 2 of 3 \(the first at t = 1 -> s = 0.9\): "
+    with pytest.raises(ValueError, match=first), torch.no_grad():
         sde_step_with_logprob("ddim", x, v, torch.tensor([1.0, 0.6, 0.5]), torch.tensor([0.9, 0.4, 0.0]),
                               inp["noise"], backend=backend)  # fmt: skip
     with pytest.raises(ValueError, match="deterministic step"):
