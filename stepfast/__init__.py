@@ -33,7 +33,8 @@ def quiet_ctrl_c_while_starting(command: str) -> None:
     DeepSpeed): a Ctrl-C among them ends it with one line, `<command>: interrupted while starting`,
     and exit status 130, not a traceback from inside an import; nothing has been written by then.
     Under a launcher every rank gets the Ctrl-C and the first says it. `ctrl_c_as_usual()`, once the
-    imports are done, gives Ctrl-C back to the command's own handling."""
+    imports are done, gives Ctrl-C back to the command's own handling. A process started with SIGINT
+    ignored (`cmd &` in a script) keeps ignoring it."""
     import os
     import signal
     import sys
@@ -43,11 +44,14 @@ def quiet_ctrl_c_while_starting(command: str) -> None:
             print(f"\n{command}: interrupted while starting", file=sys.stderr)
         raise SystemExit(130)
 
-    signal.signal(signal.SIGINT, interrupted)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupted)
 
 
 def ctrl_c_as_usual() -> None:
-    """Ctrl-C raises KeyboardInterrupt again (Python's own handler), for the command to handle."""
+    """Ctrl-C raises KeyboardInterrupt again (Python's own handler), for the command to handle; an
+    ignored SIGINT stays ignored."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

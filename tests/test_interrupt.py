@@ -20,14 +20,16 @@ HOOKED = textwrap.dedent("""
     import argparse, importlib.abc, os, runpy, signal, sys
 
     module, command = sys.argv[1], sys.argv[2]
-    parse_args = argparse.ArgumentParser.parse_args
+    parse_known_args = argparse.ArgumentParser.parse_known_args  # what every parse_*args calls
+    sent = []
 
-    def ctrl_c_then_parse_args(self, *args, **kwargs):
-        if module == "parse_args":
+    def ctrl_c_then_parse(self, *args, **kwargs):
+        if module == "parse_args" and not sent:
+            sent.append(1)
             os.kill(os.getpid(), signal.SIGINT)
-        return parse_args(self, *args, **kwargs)
+        return parse_known_args(self, *args, **kwargs)
 
-    argparse.ArgumentParser.parse_args = ctrl_c_then_parse_args
+    argparse.ArgumentParser.parse_known_args = ctrl_c_then_parse
 
     class CtrlC(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
@@ -54,12 +56,14 @@ COMMANDS = [  # (command, its first heavy import, the prefix of its messages)
 ]
 
 
-def interrupted_at(module: str, command: str, rank: str | None = None) -> subprocess.CompletedProcess:
+def interrupted_at(module: str, command: str, rank: str | None = None, ignored: bool = False):
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
     if rank is not None:
         env["RANK"] = rank
+    # `ignored`: started with SIGINT ignored, as a shell script's `cmd &` starts it
+    before = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
     return subprocess.run([sys.executable, "-c", HOOKED, module, command, "--help"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120, preexec_fn=before)  # fmt: skip
 
 
 @pytest.mark.parametrize("command, module, prefix", COMMANDS)
@@ -83,3 +87,12 @@ def test_after_its_imports_a_command_handles_ctrl_c_itself():
     proc = interrupted_at("parse_args", "stepfast.evaluate")
     assert proc.returncode == 130
     assert proc.stderr == "\npython -m stepfast.evaluate: interrupted (the results are written at the end)\n"
+
+
+@pytest.mark.parametrize("module", ["torch", "parse_args"])
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(module):
+    """A script's `reward_server &` (or trainer) is started with SIGINT ignored, so that a Ctrl-C
+    meant for the script's foreground command leaves it running: it must not install a handler."""
+    proc = interrupted_at(module, "stepfast/train.py", ignored=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert "deepspeed stepfast/train.py" in proc.stdout  # it went on to print its help
