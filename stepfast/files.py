@@ -104,3 +104,62 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     except OSError as exc:
         raise ValueError(f"cannot create a folder in {existing} (mkdir: {exc.strerror or exc})") from None
     return path
+
+
+#: The file in a run's output_dir that its first rank holds locked while the run writes there.
+RUN_LOCK = ".stepfast.lock"
+
+
+class RunLock:
+    """An exclusive lock (flock) on output_dir/.stepfast.lock, held by the first rank of a run while
+    it writes the folder, so that a second run started there (a second `make train`, the same
+    command in another terminal) is refused instead of writing over it. The kernel drops the lock
+    when the process ends, however it ends (SIGKILL too): a stale file never blocks a run. The file
+    says who holds it, for the refusal."""
+
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
+
+    @staticmethod
+    def take(out: str | Path) -> RunLock | str:
+        """The lock of `out` (created, with `out`, if need be), or what holds it: a line for an error."""
+        import fcntl
+        import socket
+        import time
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            return holder
+        except OSError:  # a file system without flock: nothing to refuse with; run as before
+            os.close(fd)
+            return RunLock(-1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                 .encode())  # fmt: skip
+        return RunLock(fd)
+
+    @staticmethod
+    def holder(out: str | Path) -> str | None:
+        """Who holds `out`'s lock now (a line), or None: a look that creates nothing."""
+        path = Path(out) / RUN_LOCK
+        if not path.is_file():
+            return None
+        try:
+            lock = RunLock.take(out)
+        except OSError:  # not ours to write: not a run's lock this process could take either
+            return None
+        if isinstance(lock, str):
+            return lock
+        lock.release()
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)  # closing drops the lock; the file stays (removing it races a new taker)
+        self._fd = None
