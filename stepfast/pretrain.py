@@ -427,6 +427,12 @@ def main(argv: list[str] | None = None) -> Path:
             parser.error(f"--vae: {exc}")
         if not (vae_dir / "config.json").is_file():
             parser.error(f"--vae: {vae_dir} holds no config.json (expected a pipeline written by this command)")
+        from diffusers import AutoencoderKL
+
+        try:  # before any work: a damaged config or weights file is named, not a traceback after the set-up
+            reused_vae = AutoencoderKL.from_pretrained(vae_dir, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 (JSON, safetensors, diffusers: each its own error type)
+            parser.error(f"--vae: cannot load the VAE in {vae_dir}: {type(exc).__name__}: {exc}")
 
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -440,10 +446,7 @@ def main(argv: list[str] | None = None) -> Path:
     pipe.to(device)
 
     if args.vae:
-        from diffusers import AutoencoderKL
-
-        vae = AutoencoderKL.from_pretrained(vae_dir, local_files_only=True)
-        pipe.vae = vae.to(device).eval().requires_grad_(False)
+        pipe.vae = reused_vae.to(device).eval().requires_grad_(False)
         pipe.register_modules(vae=pipe.vae)
         vae_losses = None  # not trained here
     else:

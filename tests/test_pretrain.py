@@ -3,6 +3,7 @@ writes a pipeline that loads, the same seed writes the same weights, and a bad -
 
 import contextlib
 import io
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,11 +59,21 @@ def test_pretrain_reuses_a_vae_unchanged(tmp_path, capsys):
     assert f"(VAE of {EMBEDDED_MODEL}, not trained; transformer loss " in said and "nan" not in said, said
 
 
-@pytest.mark.parametrize("vae, message", [
-    ("{tmp}/nowhere", "--vae: pipeline directory {tmp}/nowhere does not exist"),
-    ("{tmp}", "--vae: {tmp} is not a diffusers pipeline directory"),
+def damaged(tmp_path, name: str, text: str) -> None:
+    """A copy of the embedded model at tmp_path with its vae/NAME replaced by `text`."""
+    shutil.copytree(EMBEDDED_MODEL, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "vae" / name).write_text(text)
+
+
+@pytest.mark.parametrize("vae, message, damage", [
+    ("{tmp}/nowhere", "--vae: pipeline directory {tmp}/nowhere does not exist", None),
+    ("{tmp}", "--vae: {tmp} is not a diffusers pipeline directory", None),
+    ("{tmp}", "--vae: cannot load the VAE in {tmp}/vae: ", ("config.json", "{")),
+    ("{tmp}", "--vae: cannot load the VAE in {tmp}/vae: ", ("diffusion_pytorch_model.safetensors", "cut")),
 ])  # fmt: skip
-def test_pretrain_names_a_bad_vae_directory_before_any_work(tmp_path, vae, message):
+def test_pretrain_names_a_bad_vae_directory_before_any_work(tmp_path, vae, message, damage):
+    if damage:
+        damaged(tmp_path, *damage)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "stepfast.pretrain", "--vae", vae.format(tmp=tmp_path), "--out", str(out), *TINY]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
