@@ -41,7 +41,7 @@ from stepfast.ema import EMA
 from stepfast.engine import (
     all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights, unread_settings,
 )
-from stepfast.files import RunLock, write_atomically
+from stepfast.files import write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
@@ -55,8 +55,8 @@ from stepfast.rewards.transport import RewardServerError
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
-    PromptFiles, another_run_there, build_eval_reward, build_reward, check_before_start, check_prompts,
-    check_reward_names, check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of, untagged_problem,
+    PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
+    check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of, untagged_problem,
 )
 
 
@@ -568,22 +568,6 @@ def _main(argv=None) -> int:
         prompts = check_before_start(cfg)
     except ConfigError as exc:
         return _start_error(exc)
-    # the first rank holds output_dir's lock while the run writes there: a second run started there
-    # (which check_before_start refuses when it comes later) is refused
-    try:
-        lock = RunLock.take(cfg.output_dir) if os.environ.get("RANK", "0") == "0" else None
-    except OSError as exc:
-        return _start_error(ConfigError(f"output_dir {cfg.output_dir}: cannot write its lock file: {exc}"))
-    if isinstance(lock, str):
-        return _start_error(ConfigError(another_run_there(Path(cfg.output_dir), lock)))
-    try:
-        return _train(cfg, prompts)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train(cfg, prompts: PromptFiles) -> int:
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
     try:

@@ -968,58 +968,6 @@ def test_a_refusal_before_the_process_group_is_said_by_the_nodes_first_rank_alon
     assert start(config, *overrides)[1].startswith("stepfast: config error: ")
 
 
-def test_a_run_is_refused_a_folder_another_run_writes(model_dir, tmp_path, start, monkeypatch):
-    """Two runs started in one output_dir (a second `make train` while the first draws its
-    evaluation before training) both went on, and the second's config, metrics and checkpoints
-    replaced the first's. The first rank of a run holds the folder's lock; the lock is per open
-    file, so one taken here is another run's as far as the trainer can tell."""
-    import socket
-
-    from stepfast.files import RunLock
-
-    import stepfast.startup
-
-    out = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", base_config(model_dir, out))
-    other = RunLock.take(out)
-    holder = rf"pid {os.getpid()} on {re.escape(socket.gethostname())}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d"
-    refused = (rf"^stepfast: config error: output_dir {re.escape(str(out))}: another run is writing there "
-               rf"\({holder}\): wait for it to end or stop it, or give another output_dir\n$")  # fmt: skip
-    try:
-        (out / "metrics.csv").write_text("iteration,reward\n1,0.5\n")  # it has logged an iteration, no checkpoint
-        for resume in ("none", "auto"):  # not "stopped before its first checkpoint ... resume=auto"
-            code, err = start(config, f"resume={resume}")
-            assert code == 2 and re.match(refused, err), err
-        # another run that took the lock after this one looked: refused as it takes the lock
-        with monkeypatch.context() as patched:  # (not undo(): that would undo start's guard too)
-            patched.setattr(stepfast.startup.RunLock, "holder", staticmethod(lambda out: None))
-            code, err = start(config, "resume=auto")
-        assert code == 2 and re.match(refused, err), err
-        # the other ranks of a run do not look: the lock they would see is their first rank's
-        monkeypatch.setenv("RANK", "1")
-        with pytest.raises(AssertionError, match="reached the process group"):
-            start(config, "resume=auto")
-        monkeypatch.delenv("RANK")
-    finally:
-        other.release()
-    with pytest.raises(AssertionError, match="reached the process group"):
-        start(config, "resume=auto")
-    mine = RunLock.take(out)  # the trainer let its lock go as it stopped
-    assert isinstance(mine, RunLock)
-    mine.release()
-
-
-def test_a_run_killed_leaves_no_lock_in_the_way(tmp_path):
-    """The lock is the kernel's: it goes with the process, SIGKILL too; the file left says nothing."""
-    from stepfast.files import RunLock
-
-    code = ("import os, signal, sys; from stepfast.files import RunLock; lock = RunLock.take(sys.argv[1]); "
-            "assert not isinstance(lock, str); os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, env=env(), timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert (tmp_path / "run" / ".stepfast.lock").is_file() and RunLock.holder(tmp_path / "run") is None
-
-
 @pytest.mark.skipif(Path("/models").exists() or Path("/data/pickscore").exists(), reason="the preset's paths exist")
 def test_every_path_a_preset_cannot_find_is_named_at_once(tmp_path, capsys):
     """An SD3.5 preset on a machine without its model, prompts and reward weights: one error lists
