@@ -104,3 +104,88 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     except OSError as exc:
         raise ValueError(f"cannot create a folder in {existing} (mkdir: {exc.strerror or exc})") from None
     return path
+
+
+class RunLock:
+    """An exclusive lock (flock) on the output_dir folder itself, held by the first rank of a run
+    while it writes there, so that a second run started in the same folder (a second `make train`,
+    the same command in another terminal) is refused instead of writing over the first. The lock
+    is the folder's, not a file's: taking it, or looking whether another run holds it, writes
+    nothing in the folder. The kernel drops it when the process ends, however it ends (SIGKILL
+    too), so nothing stale is ever in the way. On a file system without flock it is not held and
+    nothing is refused, as before there was a lock."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self._fd: int | None = None
+
+    def take(self) -> str | None:
+        """Create the folder if need be and lock it: None once held (or where it cannot be held),
+        else who holds it, as a line for the refusal."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = _lock(self.out)
+        if isinstance(fd, str):
+            return fd
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)  # closing the folder drops its lock
+        self._fd = None
+
+    @staticmethod
+    def holder(out: str | Path) -> str | None:
+        """Who holds the lock of `out` now (a line), or None: a look that writes nothing."""
+        if not Path(out).is_dir():
+            return None
+        fd = _lock(Path(out))
+        if isinstance(fd, str):
+            return fd
+        if fd >= 0:
+            os.close(fd)
+        return None
+
+
+def _lock(folder: Path) -> int | str:
+    """An open descriptor of `folder` holding its flock (-1 where flock is unsupported), or who
+    holds it already."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        return -1
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _flock_holder(os.fstat(fd))
+        os.close(fd)
+        return holder
+    except OSError:  # a file system without flock (some network mounts): nothing to refuse with
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _flock_holder(st: os.stat_result) -> str:
+    """The process holding a flock on the file of `st`, from Linux's /proc/locks ('pid N: its
+    command line'), or 'another process' where that cannot be read."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return "another process"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line carries "->"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[5] == key:
+            pid = fields[4]
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                command = " ".join(argv.decode(errors="replace").split())
+            except OSError:
+                command = ""
+            if len(command) > 200:
+                command = command[:197] + "..."
+            return f"pid {pid}" + (f": {command}" if command else "")
+    return "another process"

@@ -19,7 +19,7 @@ import torch
 from stepfast import checkpoint, grpo, rewards, sde
 from stepfast.config import ConfigError, load_config, shown
 from stepfast.data.prompts import PromptRecord, load_prompts, resolve_prompt_file
-from stepfast.files import check_creatable_dir
+from stepfast.files import RunLock, check_creatable_dir
 from stepfast.models import check_pipeline_dir
 from stepfast.policy import cut_prompts, grid_shift, resolve_model_path, token_limits
 from stepfast.rewards import PromptError
@@ -208,6 +208,8 @@ def check_before_start(cfg) -> PromptFiles:
     else:  # a folder that could not be checked is named above; its files cannot be read either
         if problem := inside_checkpoints(Path(cfg.output_dir)):
             errors.append(problem)
+        elif problem := another_run_there(Path(cfg.output_dir)):
+            errors.append(problem)
         elif cfg.resume == "none" and (problem := run_in_the_way(Path(cfg.output_dir))):
             errors.append(problem)
     resumed = None
@@ -357,6 +359,17 @@ def _is_checkpoints_of_a_run(folder: Path) -> bool:
     checkpoints in it (a folder of checkpoints moved out of their run is not)."""
     return folder.is_dir() and (folder.parent / "config.yaml").is_file() and (
         (folder.parent / "metrics.csv").exists() or any(checkpoint.PATTERN.match(p.name) for p in folder.iterdir()))
+
+
+def another_run_there(out: Path, holder: str | None = None) -> str | None:
+    """The refusal of output_dir while another run writes there (holds its RunLock; `holder`, the
+    lock's holder when already known), or None. Looked at on every rank before the process group,
+    when no rank of this run holds the lock yet, so every rank sees the same."""
+    holder = holder or RunLock.holder(out)
+    if holder is None:
+        return None
+    return (f"output_dir {out}: another run is writing there ({holder}); wait for it to end or stop it, "
+            "or give another output_dir")  # fmt: skip
 
 
 def run_in_the_way(out: Path) -> str | None:

@@ -41,7 +41,7 @@ from stepfast.ema import EMA
 from stepfast.engine import (
     all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights, unread_settings,
 )
-from stepfast.files import write_atomically
+from stepfast.files import RunLock, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
@@ -55,8 +55,8 @@ from stepfast.rewards.transport import RewardServerError
 from stepfast.rollout import sample_noise
 from stepfast.sde import sd3_time_grid
 from stepfast.startup import (
-    PromptFiles, build_eval_reward, build_reward, check_before_start, check_prompts, check_reward_names,
-    check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of, untagged_problem,
+    PromptFiles, another_run_there, build_eval_reward, build_reward, check_before_start, check_prompts,
+    check_reward_names, check_servers, cut_prompt_warnings, iteration_problem, trained_steps_of, untagged_problem,
 )
 
 
@@ -100,7 +100,7 @@ class EvalSetup(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, cfg, rank: int, world: int, device: torch.device, prompts: PromptFiles):
+    def __init__(self, cfg, rank: int, world: int, device: torch.device, prompts: PromptFiles, lock: RunLock):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.out = Path(cfg.output_dir)
         self.main = rank == 0
@@ -155,8 +155,7 @@ class Trainer:
             self._print_setup(steps)
         self.start, self.evals = 1, {}
         self.resume()
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
+        self._take_output_dir(lock)
         self.logger = MetricsLogger(self.out, self.main, cfg.log.tensorboard, cfg.log.wandb,
                                     cfg.log.wandb_project, to_dict(cfg), resume_from=self.start - 1,
                                     logged=logged)  # fmt: skip
@@ -169,6 +168,17 @@ class Trainer:
             else:
                 runfolder.keep_other_config(self.out, to_yaml(cfg))
             write_atomically(self.out / "config.yaml", lambda tmp: tmp.write_text(to_yaml(cfg)))
+
+    def _take_output_dir(self, lock: RunLock) -> None:
+        """The first rank creates output_dir and locks it for the run, before anything is written
+        there: another run that started there since this one looked (check_before_start) is
+        refused, on every rank, as it would write over this one."""
+        holder = lock.take() if self.main else None
+        refused = reduce_stats({"refused_max": float(holder is not None)}, self.world, self.device)["refused_max"]
+        if refused:
+            exc = ConfigError(another_run_there(self.out, holder or "another process"))
+            exc.stepfast_reported = not self.main  # the first rank says it
+            raise exc
 
     # ---------------------------------------------------------------------------------------------
     def _backward_calls(self, steps: list[int]) -> int:
@@ -570,8 +580,9 @@ def _main(argv=None) -> int:
         return _start_error(exc)
     rank, world, device = init_distributed()
     torch.manual_seed(cfg.seed + rank)
+    lock = RunLock(cfg.output_dir)  # the first rank's, while the run writes there
     try:
-        Trainer(cfg, rank, world, device, prompts).fit()
+        Trainer(cfg, rank, world, device, prompts, lock).fit()
     except (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, ImportError, RewardServerError) as exc:
         # bad input (config, model directory, prompt file, reward name, a NaN reward), exit 2; or a
         # reward server that failed (stopped answering, refused a request, sent bad scores), exit 1:
@@ -585,6 +596,7 @@ def _main(argv=None) -> int:
         # right after a collective, such as the start-up check of a reward server.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        lock.release()
     return 0
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -181,9 +182,11 @@ def test_run_writes_metrics_checkpoints_and_report(baseline):
     assert list((out / "tensorboard").iterdir())
 
 
-def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, ranks: int = 1) -> int:
+def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, ranks: int = 1,
+                              while_running: Callable[[int], object] | None = None) -> int:  # fmt: skip
     """Starts the trainer on `config`, sends it `sig` once checkpoint 2 of `out` is complete, and
     returns its exit code; its stderr goes to `err` (a file: an unread pipe fills and stalls the run).
+    `while_running(pid)`, if given, is called just before the signal, with the trainer's pid.
     With ranks > 1 the run goes through the deepspeed launcher in a process group of its own, and
     the signal goes to that whole group, as a terminal sends Ctrl-C."""
     if ranks == 1:
@@ -207,6 +210,8 @@ def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, rank
                 assert proc.poll() is None, err.read_text()[-3000:]
                 assert time.time() < deadline
                 time.sleep(0.05)
+            if while_running is not None:
+                while_running(proc.pid)
             if ranks > 1:
                 os.killpg(proc.pid, sig)
             else:
@@ -234,13 +239,20 @@ def signal_after_checkpoint_2(config: Path, out: Path, sig: int, err: Path, rank
 def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
     from safetensors.torch import load_file
 
+    from stepfast.files import RunLock
+
     config, base_out = warm_baseline
     out = tmp_path / "run"
     cfg = yaml.safe_load(config.read_text())
     cfg["output_dir"] = str(out)
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    signal_after_checkpoint_2(config, out, signal.SIGKILL, tmp_path / "stderr.txt")
+    held = []
+    signal_after_checkpoint_2(config, out, signal.SIGKILL, tmp_path / "stderr.txt",
+                              while_running=lambda pid: held.append((pid, RunLock.holder(out))))  # fmt: skip
     assert checkpoint.latest(out).name == "checkpoint-000002"
+    # the killed run held output_dir; the kernel let it go with the process: the resume is not refused
+    (pid, holder), = held
+    assert holder is not None and holder.startswith(f"pid {pid}: ") and RunLock.holder(out) is None
     resumed = train(config, "resume=auto")
     assert "other settings" not in resumed.stderr and not list(out.glob("config-until-*"))  # the same settings
     got, want = metrics(out), metrics(base_out)
@@ -259,14 +271,31 @@ def test_resume_after_sigkill_is_exact(warm_baseline, tmp_path):
     assert ema[0].keys() == ema[1].keys() and all(torch.equal(ema[0][k], ema[1][k]) for k in ema[1])
 
 
-def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_path):
+def test_ctrl_c_says_where_training_stopped_without_a_traceback(baseline, tmp_path, start):
     config, _ = baseline
     out = tmp_path / "run"
     cfg = yaml.safe_load(config.read_text())
     cfg["output_dir"] = str(out)
     cfg["iterations"] = 1000  # still training when the signal comes (an iteration here takes ~0.3 s)
     err = tmp_path / "stderr.txt"
-    returncode = signal_after_checkpoint_2(write_config(tmp_path / "cfg.yaml", cfg), out, signal.SIGINT, err)
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    refusals = []
+
+    def second_run(pid: int) -> None:
+        """The same command again while the run trains (a second terminal): refused, whatever its
+        resume, naming the process that writes there (the trainer's first rank holds output_dir)."""
+        for resume in ("auto", "none"):
+            refusals.append((pid, *start(config, f"resume={resume}")))
+
+    returncode = signal_after_checkpoint_2(config, out, signal.SIGINT, err, while_running=second_run)
+    assert len(refusals) == 2
+    for pid, code, refused in refusals:
+        said = re.fullmatch(rf"stepfast: config error: output_dir {re.escape(str(out))}: another run is writing there "
+                            rf"\(pid {pid}: (.+)\); wait for it to end or stop it, or give another output_dir\n",
+                            refused)  # fmt: skip
+        assert code == 2 and said, refused
+        command = f"{sys.executable} {TRAIN} --config {config}"  # its command line, cut short if long
+        assert said[1] == command or (said[1].endswith("...") and command.startswith(said[1][:-3])), said[1]
     stderr = err.read_text()
     assert returncode == 130, stderr[-3000:]
     # the exception's name alone (Ctrl-C has no message), where to go on from and how
@@ -1110,6 +1139,51 @@ def copy_run(baseline, tmp_path) -> tuple[Path, Path, dict[Path, bytes]]:
 def assert_unchanged(out: Path, files: dict[Path, bytes]) -> None:
     now = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     assert now.keys() == files.keys() and all(now[p] == files[p] for p in files)
+
+
+def test_a_run_that_came_to_its_folder_since_it_looked_is_refused_before_writing(tmp_path):
+    """Two runs started together both find output_dir free before the process group; the first
+    rank takes the folder's lock just before the run writes there, and the one that comes second
+    is refused then, having written nothing."""
+    from types import SimpleNamespace
+
+    from stepfast.files import RunLock
+    from stepfast.train import Trainer
+
+    out = tmp_path / "run"
+    other, mine = RunLock(out), RunLock(out)
+    trainer = SimpleNamespace(main=True, world=1, device=torch.device("cpu"), out=out)
+    assert other.take() is None  # a lock is per open folder: one taken here is another run's to the trainer
+    try:
+        with pytest.raises(ConfigError, match=rf"^output_dir {re.escape(str(out))}: another run is writing there "
+                                              rf"\(pid {os.getpid()}: .+\); wait for it to end"):  # fmt: skip
+            Trainer._take_output_dir(trainer, mine)
+        assert list(out.iterdir()) == []
+    finally:
+        other.release()
+    try:
+        Trainer._take_output_dir(trainer, mine)
+        assert RunLock.holder(out).startswith(f"pid {os.getpid()}: ")  # held, until the run stops
+    finally:
+        mine.release()
+    assert RunLock.holder(out) is None and list(out.iterdir()) == []
+
+
+def test_a_run_is_refused_a_folder_another_run_writes_and_changes_nothing(baseline, tmp_path, start):
+    """Looked at before the process group, on every rank (none of this run holds it yet)."""
+    from stepfast.files import RunLock
+
+    config, out, files = copy_run(baseline, tmp_path)
+    other = RunLock(out)
+    assert other.take() is None
+    try:
+        for resume in ("none", "auto"):  # not "already holds a run: ... resume=auto" over a live run
+            code, err = start(config, f"resume={resume}")
+            assert code == 2 and err.startswith(f"stepfast: config error: output_dir {out}: another run is writing "
+                                                f"there (pid {os.getpid()}: "), err  # fmt: skip
+        assert_unchanged(out, files)
+    finally:
+        other.release()
 
 
 def test_a_new_run_into_a_finished_one_is_refused(baseline, tmp_path, start):
