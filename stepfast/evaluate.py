@@ -93,8 +93,9 @@ def check_out_dir(out: Path, overwrite: bool = False) -> None:
     for name in REPORT_FILES:
         if (out / name).is_dir():
             raise ValueError(f"{out / name} is a directory: the report file cannot be written there")
-    if not overwrite and (out / "results.json").exists():
-        raise ValueError(f"{out} already holds an evaluation (results.json): give another --out, or "
+    held = [name for name in REPORT_FILES if (out / name).exists()]
+    if not overwrite and held:  # any of them: results.md or samples.png alone is one's table or images
+        raise ValueError(f"{out} already holds an evaluation ({', '.join(held)}): give another --out, or "
                          "--overwrite to replace it")  # fmt: skip
 
 

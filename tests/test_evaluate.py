@@ -449,7 +449,14 @@ def test_evaluation_command_end_to_end(tmp_path, capsys):
              "--out", str(out)]  # fmt: skip
     with pytest.raises(SystemExit):
         ev.main(again)
-    assert f"{out} already holds an evaluation (results.json)" in capsys.readouterr().err
+    assert f"{out} already holds an evaluation (results.json, results.md, samples.png)" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    # results.json alone gone (deleted; or another tool's table kept beside its images): still refused
+    (out / "results.json").unlink()
+    del files["results.json"]
+    with pytest.raises(SystemExit):
+        ev.main(again)
+    assert f"{out} already holds an evaluation (results.md, samples.png): give another --out" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
     # ... unless asked to replace it
     ev.main(again + ["--overwrite"])
@@ -607,16 +614,32 @@ def test_load_lora_names_what_is_not_lora_weights(tiny, tmp_path, kind, message)
 @pytest.mark.parametrize("kind, message", [
     ("missing", "transformer directory {path} does not exist"),
     ("file", "transformer {path} is not a directory (expected config.json and diffusion_pytorch_model.safetensors)"),
-    ("lora", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors"),
+    ("empty", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors (diffusers' "
+              "format, as a full fine-tuning checkpoint's transformer/ folder)"),
+    ("lora", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors (it holds a "
+             "LoRA, {path}: load that as a LoRA, not as a transformer)"),
+    # a LoRA run's checkpoint, and a full fine-tuning's (or a pipeline) where its transformer/ was meant
+    ("lora checkpoint", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors "
+                        "(it holds a LoRA, {path}/lora: load that as a LoRA, not as a transformer)"),
+    ("checkpoint", "transformer directory {path} lacks config.json, diffusion_pytorch_model.safetensors (a "
+                   "checkpoint or a pipeline? its transformer is {path}/transformer)"),
 ])  # fmt: skip
 def test_load_transformer_names_what_is_not_a_transformer(tiny, tmp_path, kind, message):
     model, pipe = tiny
     path = tmp_path / "transformer"
     if kind == "file":
         path.write_text("not weights")
-    elif kind == "lora":
+    elif kind != "missing":
         path.mkdir()
+    if kind == "lora":
         (path / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    elif kind == "lora checkpoint":
+        (path / "lora").mkdir()
+        (path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+        (path / "state.pt").write_bytes(b"")
+    elif kind == "checkpoint":
+        (path / "transformer").mkdir()
+        (path / "transformer" / "config.json").write_text("{}")
     with pytest.raises((FileNotFoundError, ValueError)) as info:
         load_transformer(pipe, path)
     assert message.format(path=path) in str(info.value)

@@ -316,7 +316,14 @@ def check_transformer_dir(path: str | Path) -> Path:
     missing = [name for name in ("config.json", TRANSFORMER_WEIGHTS) if not (path / name).is_file()]
     sharded = (path / (TRANSFORMER_WEIGHTS.replace(".safetensors", ".safetensors.index.json"))).is_file()
     if missing and not (missing == [TRANSFORMER_WEIGHTS] and sharded):
-        raise ValueError(f"transformer directory {path} lacks {', '.join(missing)} (diffusers' format, as "
+        if (path / "transformer" / "config.json").is_file():  # a checkpoint of a full fine-tuning, or a pipeline
+            hint = f" (a checkpoint or a pipeline? its transformer is {path / 'transformer'})"
+        elif (path / "lora").is_dir() or (path / "pytorch_lora_weights.safetensors").is_file():
+            lora = path / "lora" if (path / "lora").is_dir() else path
+            hint = f" (it holds a LoRA, {lora}: load that as a LoRA, not as a transformer)"
+        else:
+            hint = ""
+        raise ValueError(f"transformer directory {path} lacks {', '.join(missing)}{hint} (diffusers' format, as "
                          "a full fine-tuning checkpoint's transformer/ folder)")  # fmt: skip
     return path
 
