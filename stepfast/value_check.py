@@ -151,7 +151,9 @@ def format_tables(summary: dict, substeps: list[int]) -> str:
             for name, width, cell in columns:
                 x = cell(r)
                 if not isinstance(x, str):
-                    x = "nan" if math.isnan(x) else f"{x:+.2f}" if name.startswith("corr") else f"{x:.3f}"
+                    digits = 2 if name.startswith("corr") else 3
+                    x = round(x, digits) + 0.0  # a correlation of -0.004 reads +0.00, not -0.00
+                    x = "nan" if math.isnan(x) else f"{x:+.{digits}f}" if digits == 2 else f"{x:.{digits}f}"
                 cells.append(f"{x:>{width}}")
             lines.append("  ".join(cells))
         return lines

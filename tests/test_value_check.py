@@ -12,7 +12,7 @@ import torch
 from stepfast import sde
 from stepfast.models.tiny import tiny_pipeline_dir
 from stepfast.rollout import sample_trajectory
-from stepfast.value_check import Sampler, draw_group, group_correlation, main, summarise
+from stepfast.value_check import Sampler, draw_group, format_tables, group_correlation, main, summarise
 
 GRID = sde.sd3_time_grid(5)
 
@@ -105,6 +105,18 @@ def test_summary_rows_and_the_last_step_ending_at_the_final_score():
     # a gain between two values of standard error 0.1 has a mean size sqrt(2 / pi) sqrt(0.02) from noise
     assert summary["steps"][0]["value_gain_noise"] == pytest.approx(math.sqrt(2 / math.pi) * math.sqrt(0.02))
     assert summary["steps"][1]["value_gain_noise"] == pytest.approx(math.sqrt(2 / math.pi) * 0.1)
+
+
+def test_the_tables_print_a_correlation_that_rounds_to_zero_as_plus_zero():
+    """A correlation of -0.004 read -0.00, a sign that says nothing; nan stays nan."""
+    state = {"state": 0, "t": 1.0, "corr_T1": -0.004, "value_spread": -0.0001, "value_noise": 0.1,
+             "estimate_spread_T1": 0.25}  # fmt: skip
+    step = {"step": 0, "corr_T1": float("nan"), "value_gain": 0.5, "value_gain_noise": 0.0, "gain_T1": 0.0004}
+    rows = [line.split() for line in format_tables({"states": [state], "steps": [step]}, [1]).splitlines()]
+    assert rows[1] == ["0", "1.000", "+0.00", "0.000", "0.100", "0.250"]
+    assert rows[-1] == ["0", "nan", "0.500", "0.000", "0.000"]
+    state["corr_T1"] = -0.006
+    assert format_tables({"states": [state], "steps": [step]}, [1]).splitlines()[1].split()[2] == "-0.01"
 
 
 @pytest.fixture(scope="module")
