@@ -307,12 +307,18 @@ class Batcher:
         score), the job's future gets a BadRequest (400) naming the reward, with its message, and
         the job is not scored: the requests batched with it are. Anything else the check raises
         fails this job alone, with a 500."""
+        from stepfast.rewards import PromptError
+
         for name in job.rewards:
             check = getattr(self.rewards[name], "check", None)
             if check is None:
                 continue
             try:  # with a record per prompt, as the trainer calls it (None where a request has no metadata)
                 check(job.prompts, job.metadata if job.metadata is not None else [None] * len(job.prompts))
+            except PromptError as exc:  # named by its place in the request, from 0, as images[i] is
+                job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: "
+                                                    f"prompts[{exc.index}]: {exc.reason}"))  # fmt: skip
+                return False
             except ValueError as exc:
                 job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: {exc}"))
                 return False

@@ -337,13 +337,14 @@ def test_prompts_or_metadata_a_reward_rejects_are_bad_requests(server, scenes):
         ({"prompts": ["a photo of a dog"]}, ["reward 'shapes' cannot score this request", "is not a ShapeEval prompt"]),
         ({"prompts": [prompts[0]], "metadata": [{"include": [{"class": "dog", "count": 1}]}]},
          ["reward 'shapes'", "asks for class 'dog'"]),
-        ({"prompts": [prompts[0]], "metadata": [{"include": "oops", "prompt": prompts[0]}]},
-         ["reward 'shapes'", "prompt 1:", "'include' must be a list of clauses", "got 'oops'"]),
+        ({"prompts": [prompts[0]] * 2, "metadata": [None, {"include": "oops", "prompt": prompts[0]}]},
+         ["reward 'shapes'", "prompts[1]:", "'include' must be a list of clauses", "got 'oops'"]),
         ({"prompts": [prompts[0]], "metadata": [{"include": [{"class": "circle"}], "prompt": prompts[0]}]},
          ["reward 'shapes'", "include[0] needs a count"]),
     ]
     for fields, fragments in cases:
-        status, answer = post_raw(server, json.dumps({"rewards": ["shapes"], "images": [png], **fields}).encode())
+        body = {"rewards": ["shapes"], "images": [png] * len(fields["prompts"]), **fields}  # one image per prompt
+        status, answer = post_raw(server, json.dumps(body).encode())
         assert status == 400, (fields, status, answer)
         for fragment in fragments:
             assert fragment in answer["error"], (fragment, answer)
