@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from stepfast.files import sync, write_atomically
@@ -124,18 +125,21 @@ def wandb_run_id(output_dir, wandb_module, resuming: bool) -> str:
 
 
 def read_logged(path, required: tuple[str, ...] = ("iteration",),
-                advice: str = "repair it, or move it away to start a new log") -> list[dict]:  # fmt: skip
+                advice: str = "repair it, or move it away to start a new log",
+                on_cut: Callable[[int], None] | None = None) -> list[dict]:  # fmt: skip
     """The rows of a metrics.csv as the trainer logged them: numbers, "" where a column was not
     logged that iteration. A last line without its newline is a row whose write was cut short (a
-    run killed while logging it) and is left out. A ValueError naming the file, and the line and
-    column at fault, then `advice` (the trainer's), when it cannot be read back (the file is left
-    as it is)."""
+    run killed while logging it) and is left out; `on_cut`, when given, is called with its line
+    number. A ValueError naming the file, and the line and column at fault, then `advice` (the
+    trainer's), when it cannot be read back (the file is left as it is)."""
     try:
         with open(path, newline="") as f:
             text = f.read()
         lines = text.splitlines(keepends=True)
         if len(lines) > 1 and not text.endswith(("\n", "\r")):
             text = "".join(lines[:-1])  # the trainer writes whole rows: this one was cut off
+            if on_cut is not None:
+                on_cut(len(lines))
         reader = csv.DictReader(io.StringIO(text, newline=""))
         fields = reader.fieldnames or []
         missing = [k for k in required if k not in fields]

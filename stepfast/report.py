@@ -405,11 +405,19 @@ class RunFolderError(ValueError):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a run's metrics.csv, read as the trainer reads them on resume."""
+    """The rows of a run's metrics.csv, read as the trainer reads them on resume; a last row cut
+    short is left out, and said on stderr."""
+    import sys
+
     from stepfast.metrics import read_logged
 
+    def say_cut(line: int) -> None:
+        print(f"python -m stepfast.report: note: {path}, line {line}: a row cut short (the run was stopped "
+              "while it wrote it) is left out", file=sys.stderr)  # fmt: skip
+
     try:
-        rows = read_logged(path, required=("iteration", "reward"), advice="repair it to rebuild the report")
+        rows = read_logged(path, required=("iteration", "reward"), advice="repair it to rebuild the report",
+                           on_cut=say_cut)  # fmt: skip
     except ValueError as exc:
         raise RunFolderError(str(exc)) from exc
     if not rows:

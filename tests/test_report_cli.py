@@ -101,6 +101,21 @@ def test_rebuilds_the_report_of_a_run_folder(run, tmp_path):
         ["config.yaml", "metrics.csv", "eval_before.json", "eval_iter000003.json", "eval_after.json", "report"])
 
 
+def test_a_last_row_cut_short_is_left_out_and_said(run):
+    """A run stopped while it wrote a row of metrics.csv leaves that line without its newline: the
+    report is rebuilt from the whole rows, and says which line it left out."""
+    run, rows, _ = run
+    with open(run / "metrics.csv", "a") as f:
+        f.write("7,0.9")  # iteration 7's row, cut short
+    proc = run_cli(str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: {run / 'metrics.csv'}, line 8: a row cut short" in proc.stderr, proc.stderr
+    assert "Iterations: 6;" in (run / "report" / "summary.md").read_text()
+    with open(run / "metrics.csv", "a") as f:
+        f.write("\n")  # now a whole row (with too few cells): an error, not a note
+    assert_cli_error(run_cli(str(run)), "line 8", "cells")
+
+
 def test_needs_a_run_folder():
     assert_cli_error(run_cli(), "RUN_DIR")
 
