@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -113,17 +114,26 @@ class RunLock:
     is the folder's, not a file's: taking it, or looking whether another run holds it, writes
     nothing in the folder. The kernel drops it when the process ends, however it ends (SIGKILL
     too), so nothing stale is ever in the way. On a file system without flock it is not held and
-    nothing is refused, as before there was a lock."""
+    nothing is refused, as before there was a lock.
 
-    def __init__(self, out: str | Path):
+    A look (`holder`) takes a shared lock for an instant: looks never conflict with each other, so
+    the ranks of one run looking together all find the folder free, and a look still sees a run's
+    exclusive lock. `take` waits up to `wait` seconds for looks in flight to end."""
+
+    def __init__(self, out: str | Path, wait: float = 2.0):
         self.out = Path(out)
+        self.wait = wait
         self._fd: int | None = None
 
     def take(self) -> str | None:
         """Create the folder if need be and lock it: None once held (or where it cannot be held),
         else who holds it, as a line for the refusal."""
+        if self._fd is not None:
+            return None
         self.out.mkdir(parents=True, exist_ok=True)
-        fd = _lock(self.out)
+        deadline = time.monotonic() + self.wait
+        while isinstance(fd := _lock(self.out, exclusive=True), str) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a look in flight holds a shared lock for an instant; a run holds on
         if isinstance(fd, str):
             return fd
         self._fd = fd
@@ -139,7 +149,7 @@ class RunLock:
         """Who holds the lock of `out` now (a line), or None: a look that writes nothing."""
         if not Path(out).is_dir():
             return None
-        fd = _lock(Path(out))
+        fd = _lock(Path(out), exclusive=False)
         if isinstance(fd, str):
             return fd
         if fd >= 0:
@@ -147,16 +157,19 @@ class RunLock:
         return None
 
 
-def _lock(folder: Path) -> int | str:
-    """An open descriptor of `folder` holding its flock (-1 where flock is unsupported), or who
-    holds it already."""
+def _lock(folder: Path, exclusive: bool) -> int | str:
+    """An open descriptor of `folder` holding its flock, exclusive or shared (-1 where flock is
+    unsupported or the folder cannot be opened to lock), or who holds an exclusive one already."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform
         return -1
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a folder that can be written in but not listed: nothing to lock it with
+        return -1
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _flock_holder(os.fstat(fd))
         os.close(fd)
@@ -168,8 +181,8 @@ def _lock(folder: Path) -> int | str:
 
 
 def _flock_holder(st: os.stat_result) -> str:
-    """The process holding a flock on the file of `st`, from Linux's /proc/locks ('pid N: its
-    command line'), or 'another process' where that cannot be read."""
+    """The process holding the exclusive flock on the file of `st`, from Linux's /proc/locks
+    ('pid N: its command line'), or 'another process' where that cannot be read."""
     key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         lines = Path("/proc/locks").read_text().splitlines()
@@ -177,8 +190,9 @@ def _flock_holder(st: os.stat_result) -> str:
         return "another process"
     for line in lines:
         fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line carries "->"
-        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[5] == key:
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line carries "->", a look's READ
+        if (len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[3] == "WRITE"
+                and fields[5] == key):
             pid = fields[4]
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")

@@ -364,7 +364,8 @@ def _is_checkpoints_of_a_run(folder: Path) -> bool:
 def another_run_there(out: Path, holder: str | None = None) -> str | None:
     """The refusal of output_dir while another run writes there (holds its RunLock; `holder`, the
     lock's holder when already known), or None. Looked at on every rank before the process group,
-    when no rank of this run holds the lock yet, so every rank sees the same."""
+    when no rank of this run holds the lock yet; looks share the lock, so the ranks of one run do
+    not see each other as another run."""
     holder = holder or RunLock.holder(out)
     if holder is None:
         return None

@@ -113,3 +113,83 @@ def test_a_folder_whose_permission_bits_allow_writing_but_which_refuses_it_is_na
         pytest.skip("the permission bits refuse it already")
     with pytest.raises(ValueError, match=r"cannot create a folder in /proc \(mkdir: "):
         check_creatable_dir("/proc/stepfast-out")
+
+
+# --- the output_dir lock -------------------------------------------------------------------------
+
+
+def _look_in_flight(folder: Path) -> int:
+    """A descriptor of `folder` holding a shared flock, as RunLock.holder does for an instant."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    return fd
+
+
+def test_a_look_at_the_lock_does_not_see_another_look_but_sees_a_run(tmp_path):
+    """The ranks of one run look before the process group, together: one rank's look must not be
+    another run to the next, while a run's lock is seen by every look."""
+    from stepfast.files import RunLock
+
+    fd = _look_in_flight(tmp_path)
+    try:
+        assert RunLock.holder(tmp_path) is None
+    finally:
+        os.close(fd)
+    run = RunLock(tmp_path)
+    assert run.take() is None
+    try:
+        assert RunLock.holder(tmp_path).startswith(f"pid {os.getpid()}: ")
+        assert run.take() is None  # taken twice by the same run: still its one lock
+    finally:
+        run.release()
+    assert RunLock.holder(tmp_path) is None
+
+
+def test_taking_the_lock_waits_for_a_look_in_flight_but_not_for_ever(tmp_path):
+    import threading
+
+    from stepfast.files import RunLock
+
+    fd = _look_in_flight(tmp_path)
+    threading.Timer(0.3, os.close, (fd,)).start()
+    run = RunLock(tmp_path)
+    assert run.take() is None  # the look ends within the wait
+    run.release()
+    fd = _look_in_flight(tmp_path)
+    try:  # a shared lock held longer than the wait is refused, as 'another process' (no run's pid)
+        assert RunLock(tmp_path, wait=0.2).take() == "another process"
+    finally:
+        os.close(fd)
+
+
+def test_looks_from_two_processes_at_once_never_refuse_each_other(tmp_path):
+    """What two ranks of one run do in check_before_start; an exclusive look refused some of them."""
+    import subprocess
+    import sys
+
+    look = (f"from stepfast.files import RunLock\n"
+            f"seen = [h for h in (RunLock.holder({str(tmp_path)!r}) for _ in range(1500)) if h]\n"
+            f"print(len(seen), seen[:1])")  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", look], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outputs == ["0 []", "0 []"], outputs
+
+
+def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_path, monkeypatch):
+    from stepfast.files import RunLock
+
+    real_open = os.open
+
+    def refuse(path, flags, *args):
+        if os.fspath(path) == os.fspath(tmp_path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse)
+    assert RunLock.holder(tmp_path) is None
+    run = RunLock(tmp_path)
+    assert run.take() is None
+    run.release()
