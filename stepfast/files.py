@@ -107,6 +107,9 @@ def check_creatable_dir(path: str | Path, holds: str = "") -> Path:
     return path
 
 
+ANOTHER = "another process"  # the holder's name where no exclusive lock's process can be read
+
+
 class RunLock:
     """An exclusive lock (flock) on the output_dir folder itself, held by the first rank of a run
     while it writes there, so that a second run started in the same folder (a second `make train`,
@@ -118,7 +121,7 @@ class RunLock:
 
     A look (`holder`) takes a shared lock for an instant: looks never conflict with each other, so
     the ranks of one run looking together all find the folder free, and a look still sees a run's
-    exclusive lock. `take` waits up to `wait` seconds for looks in flight to end."""
+    exclusive lock. `take` waits up to `wait` seconds for looks in flight to end, not for a run."""
 
     def __init__(self, out: str | Path, wait: float = 2.0):
         self.out = Path(out)
@@ -127,12 +130,13 @@ class RunLock:
 
     def take(self) -> str | None:
         """Create the folder if need be and lock it: None once held (or where it cannot be held),
-        else who holds it, as a line for the refusal."""
+        else who holds it, as a line for the refusal: a run's pid and command at once, or, where
+        only looks held it for all of `wait` (or /proc/locks cannot be read), 'another process'."""
         if self._fd is not None:
             return None
         self.out.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.wait
-        while isinstance(fd := _lock(self.out, exclusive=True), str) and time.monotonic() < deadline:
+        while (fd := _lock(self.out, exclusive=True)) == ANOTHER and time.monotonic() < deadline:
             time.sleep(0.01)  # a look in flight holds a shared lock for an instant; a run holds on
         if isinstance(fd, str):
             return fd
@@ -147,9 +151,10 @@ class RunLock:
     @staticmethod
     def holder(out: str | Path) -> str | None:
         """Who holds the lock of `out` now (a line), or None: a look that writes nothing."""
-        if not Path(out).is_dir():
+        try:
+            fd = _lock(Path(out), exclusive=False)
+        except (FileNotFoundError, NotADirectoryError):  # no folder, no run writing there
             return None
-        fd = _lock(Path(out), exclusive=False)
         if isinstance(fd, str):
             return fd
         if fd >= 0:
@@ -166,7 +171,7 @@ def _lock(folder: Path, exclusive: bool) -> int | str:
         return -1
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a folder that can be written in but not listed: nothing to lock it with
+    except PermissionError:  # a folder that can be written in but not listed: nothing to lock it with
         return -1
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -187,7 +192,7 @@ def _flock_holder(st: os.stat_result) -> str:
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
-        return "another process"
+        return ANOTHER
     for line in lines:
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line carries "->", a look's READ
@@ -202,4 +207,4 @@ def _flock_holder(st: os.stat_result) -> str:
             if len(command) > 200:
                 command = command[:197] + "..."
             return f"pid {pid}" + (f": {command}" if command else "")
-    return "another process"
+    return ANOTHER

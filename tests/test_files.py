@@ -153,10 +153,15 @@ def test_taking_the_lock_waits_for_a_look_in_flight_but_not_for_ever(tmp_path):
     from stepfast.files import RunLock
 
     fd = _look_in_flight(tmp_path)
-    threading.Timer(0.3, os.close, (fd,)).start()
-    run = RunLock(tmp_path)
-    assert run.take() is None  # the look ends within the wait
-    run.release()
+    timer = threading.Timer(0.3, os.close, (fd,))
+    timer.start()
+    try:
+        run = RunLock(tmp_path)
+        assert run.take() is None  # the look ends within the wait
+        run.release()
+    finally:
+        timer.cancel()
+        timer.join()
     fd = _look_in_flight(tmp_path)
     try:  # a shared lock held longer than the wait is refused, as 'another process' (no run's pid)
         assert RunLock(tmp_path, wait=0.2).take() == "another process"
@@ -164,18 +169,42 @@ def test_taking_the_lock_waits_for_a_look_in_flight_but_not_for_ever(tmp_path):
         os.close(fd)
 
 
+def test_a_run_holding_the_lock_is_named_at_once_not_after_the_wait(tmp_path):
+    import time
+
+    from stepfast.files import RunLock
+
+    run = RunLock(tmp_path)
+    assert run.take() is None
+    try:
+        began = time.monotonic()
+        assert RunLock(tmp_path, wait=60).take().startswith(f"pid {os.getpid()}: ")
+        assert time.monotonic() - began < 30  # not the 60 s a look in flight could be waited for
+    finally:
+        run.release()
+
+
 def test_looks_from_two_processes_at_once_never_refuse_each_other(tmp_path):
-    """What two ranks of one run do in check_before_start; an exclusive look refused some of them."""
+    """What two ranks of one run do in check_before_start; an exclusive look refused some of them.
+    Both look for the same half second, from the same moment, however busy the machine is."""
     import subprocess
     import sys
+    import time
 
-    look = (f"from stepfast.files import RunLock\n"
-            f"seen = [h for h in (RunLock.holder({str(tmp_path)!r}) for _ in range(1500)) if h]\n"
-            f"print(len(seen), seen[:1])")  # fmt: skip
+    start = time.time() + 3  # both started and imported by then
+    look = (f"import time\n"
+            f"from stepfast.files import RunLock\n"
+            f"time.sleep(max(0, {start} - time.time()))\n"
+            f"seen, looks = [], 0\n"
+            f"while time.time() < {start} + 0.5:\n"
+            f"    looks += 1\n"
+            f"    if h := RunLock.holder({str(tmp_path)!r}):\n"
+            f"        seen.append(h)\n"
+            f"print(len(seen), seen[:1], looks > 100)")  # fmt: skip
     procs = [subprocess.Popen([sys.executable, "-c", look], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert outputs == ["0 []", "0 []"], outputs
+    assert outputs == ["0 [] True", "0 [] True"], outputs
 
 
 def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_path, monkeypatch):
@@ -193,3 +222,18 @@ def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_
     run = RunLock(tmp_path)
     assert run.take() is None
     run.release()
+
+
+def test_a_descriptor_table_that_is_full_is_an_error_not_a_folder_left_unlocked(tmp_path, monkeypatch):
+    import errno
+
+    from stepfast.files import RunLock
+
+    def full(path, flags, *args):
+        raise OSError(errno.EMFILE, "Too many open files", os.fspath(path))
+
+    monkeypatch.setattr(os, "open", full)
+    with pytest.raises(OSError, match="Too many open files"):
+        RunLock(tmp_path).take()
+    with pytest.raises(OSError, match="Too many open files"):
+        RunLock.holder(tmp_path)
