@@ -41,7 +41,7 @@ from stepfast.ema import EMA
 from stepfast.engine import (
     all_gather_cat, build_engine, init_distributed, reduce_stats, trainable_weights, unread_settings,
 )
-from stepfast.files import RunLock, write_atomically
+from stepfast.files import ANOTHER, RunLock, write_atomically
 from stepfast.kernels import select_backend
 from stepfast.metrics import MetricsLogger, import_wandb, read_logged, write_json
 from stepfast.policy import (
@@ -176,7 +176,7 @@ class Trainer:
         holder = lock.take() if self.main else None
         refused = reduce_stats({"refused_max": float(holder is not None)}, self.world, self.device)["refused_max"]
         if refused:
-            exc = ConfigError(another_run_there(self.out, holder or "another process"))
+            exc = ConfigError(another_run_there(self.out, holder or ANOTHER))
             exc.stepfast_reported = not self.main  # the first rank says it
             raise exc
 
