@@ -177,7 +177,7 @@ def check_prompts(body: bytes, served) -> dict:
         try:
             check(prompts, metadata if metadata is not None else [None] * len(prompts))
         except PromptError as exc:
-            return {"ok": False, "reward": name, "index": exc.index, "error": exc.reason}
+            return {"ok": False, "reward": name, "index": exc.index, "error": f"{exc.by()}{exc.reason}"}
         except ValueError as exc:
             return {"ok": False, "reward": name, "index": None, "error": str(exc)}
     return {"ok": True}
@@ -315,9 +315,10 @@ class Batcher:
                 continue
             try:  # with a record per prompt, as the trainer calls it (None where a request has no metadata)
                 check(job.prompts, job.metadata if job.metadata is not None else [None] * len(job.prompts))
-            except PromptError as exc:  # named by its place in the request, from 0, as images[i] is
+            except PromptError as exc:  # named by its place in the request, from 0, as images[i] is, and
+            # by the part of a served `weighted` reward that refused it
                 job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: "
-                                                    f"prompts[{exc.index}]: {exc.reason}"))  # fmt: skip
+                                                    f"{exc.by()}prompts[{exc.index}]: {exc.reason}"))  # fmt: skip
                 return False
             except ValueError as exc:
                 job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: {exc}"))

@@ -795,3 +795,25 @@ def test_the_client_checks_prompts_with_the_server_before_any_image(server):
     assert status == 400 and "not served here" in answer["error"]
     dead = rewards.load("remote", url="http://127.0.0.1:9", rewards=["shapes"], retries=0, timeout=1)
     assert dead.check(["a photo of a dog"]) is None
+
+
+def test_a_served_weighted_reward_names_the_part_that_refused_a_prompt(scenes):
+    """A served `weighted` reward whose part refuses a prompt: the 400 of /score and the answer of
+    /check name that part as well as the served reward, as the weighted reward does when local."""
+    from stepfast.rewards import PromptError
+
+    images, prompts, _ = scenes
+    mixed = rewards.load("weighted", weights={"jpeg_compressibility": 0.5, "shapes": 1.0})
+    served = start({"mixed": mixed})
+    try:
+        body = {"rewards": ["mixed"], "images": [encode_png(images[0])] * 2, "prompts": [prompts[0], "a dog"]}
+        status, answer = post_raw(served, json.dumps(body).encode())
+        assert status == 400, (status, answer)
+        assert "reward 'mixed' cannot score this request: reward 'shapes': prompts[1]:" in answer["error"], answer
+        remote = rewards.load("remote", url=served.url, rewards=["mixed"], **FAST)
+        with pytest.raises(PromptError) as info:
+            remote.check([prompts[0], "a dog"])
+        assert info.value.index == 1 and info.value.reason.startswith("reward 'shapes': "), info.value.reason
+        assert info.value.reason.endswith(f"(reward 'mixed' served by {served.url})"), info.value.reason
+    finally:
+        stop(served)
