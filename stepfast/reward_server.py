@@ -315,8 +315,9 @@ class Batcher:
                 continue
             try:  # with a record per prompt, as the trainer calls it (None where a request has no metadata)
                 check(job.prompts, job.metadata if job.metadata is not None else [None] * len(job.prompts))
-            except PromptError as exc:  # named by its place in the request, from 0, as images[i] is, and
-            # by the part of a served `weighted` reward that refused it
+            except PromptError as exc:
+                # named by its place in the request, from 0, as images[i] is, and by the part of a
+                # served `weighted` reward that refused it
                 job.future.set_exception(BadRequest(f"reward {name!r} cannot score this request: "
                                                     f"{exc.by()}prompts[{exc.index}]: {exc.reason}"))  # fmt: skip
                 return False
