@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from stepfast.files import check_creatable_dir
+from stepfast.files import RunLock, check_creatable_dir, write_atomically
 
 
 def test_a_directory_or_a_path_under_one_is_accepted(tmp_path):
@@ -34,8 +39,6 @@ def test_a_folder_without_write_permission_is_named(tmp_path, monkeypatch):
 
 
 def test_a_folder_that_cannot_be_searched_is_named(tmp_path, monkeypatch):
-    from pathlib import Path
-
     def exists(self):
         raise PermissionError(13, "Permission denied", str(self))
 
@@ -46,8 +49,6 @@ def test_a_folder_that_cannot_be_searched_is_named(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
-    from stepfast.files import write_atomically
-
     path = tmp_path / "metrics.csv"
     path.write_text("iteration,reward\n1,0.5\n")
 
@@ -64,8 +65,6 @@ def test_an_interrupted_write_leaves_the_file_it_would_replace(tmp_path):
 
 
 def test_a_write_over_a_folder_fails_and_leaves_no_tmp(tmp_path):
-    from stepfast.files import write_atomically
-
     folder = tmp_path / "out.json"
     folder.mkdir()
     with pytest.raises(IsADirectoryError):
@@ -75,8 +74,6 @@ def test_a_write_over_a_folder_fails_and_leaves_no_tmp(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names the synced files through /proc")
 def test_a_file_written_whole_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
-    from stepfast.files import write_atomically
-
     events = []
     fsync, replace = os.fsync, Path.replace
     monkeypatch.setattr(os, "fsync", lambda fd: events.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
@@ -86,10 +83,6 @@ def test_a_file_written_whole_is_on_disk_before_its_rename_and_the_rename_after(
 
 
 def test_a_filesystem_that_cannot_sync_does_not_stop_a_write_but_an_io_error_does(tmp_path, monkeypatch):
-    import errno
-
-    from stepfast.files import write_atomically
-
     def fsync(code):
         def fail(fd):
             raise OSError(code, os.strerror(code))
@@ -130,8 +123,6 @@ def _look_in_flight(folder: Path) -> int:
 def test_a_look_at_the_lock_does_not_see_another_look_but_sees_a_run(tmp_path):
     """The ranks of one run look before the process group, together: one rank's look must not be
     another run to the next, while a run's lock is seen by every look."""
-    from stepfast.files import RunLock
-
     fd = _look_in_flight(tmp_path)
     try:
         assert RunLock.holder(tmp_path) is None
@@ -148,10 +139,6 @@ def test_a_look_at_the_lock_does_not_see_another_look_but_sees_a_run(tmp_path):
 
 
 def test_taking_the_lock_waits_for_a_look_in_flight_but_not_for_ever(tmp_path):
-    import threading
-
-    from stepfast.files import RunLock
-
     fd = _look_in_flight(tmp_path)
     timer = threading.Timer(0.3, os.close, (fd,))
     timer.start()
@@ -170,10 +157,6 @@ def test_taking_the_lock_waits_for_a_look_in_flight_but_not_for_ever(tmp_path):
 
 
 def test_a_run_holding_the_lock_is_named_at_once_not_after_the_wait(tmp_path):
-    import time
-
-    from stepfast.files import RunLock
-
     run = RunLock(tmp_path)
     assert run.take() is None
     try:
@@ -187,10 +170,6 @@ def test_a_run_holding_the_lock_is_named_at_once_not_after_the_wait(tmp_path):
 def test_looks_from_two_processes_at_once_never_refuse_each_other(tmp_path):
     """What two ranks of one run do in check_before_start; an exclusive look refused some of them.
     Both look for the same half second, from the same moment, however busy the machine is."""
-    import subprocess
-    import sys
-    import time
-
     start = time.time() + 3  # both started and imported by then
     look = (f"import time\n"
             f"from stepfast.files import RunLock\n"
@@ -208,8 +187,6 @@ def test_looks_from_two_processes_at_once_never_refuse_each_other(tmp_path):
 
 
 def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_path, monkeypatch):
-    from stepfast.files import RunLock
-
     real_open = os.open
 
     def refuse(path, flags, *args):
@@ -225,10 +202,6 @@ def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_
 
 
 def test_a_descriptor_table_that_is_full_is_an_error_not_a_folder_left_unlocked(tmp_path, monkeypatch):
-    import errno
-
-    from stepfast.files import RunLock
-
     def full(path, flags, *args):
         raise OSError(errno.EMFILE, "Too many open files", os.fspath(path))
 
