@@ -8,6 +8,7 @@ import errno
 import os
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -121,7 +122,12 @@ class RunLock:
 
     A look (`holder`) takes a shared lock for an instant: looks never conflict with each other, so
     the ranks of one run looking together all find the folder free, and a look still sees a run's
-    exclusive lock. `take` waits up to `wait` seconds for looks in flight to end, not for a run."""
+    exclusive lock. `take` waits up to `wait` seconds for looks in flight to end, not for a run.
+
+    A child forked without exec (a `fork` DataLoader worker, say) closes its copy of the descriptor
+    as it starts, so the lock ends with the run that took it, not with its longest-lived child."""
+
+    _held: weakref.WeakSet[RunLock] = weakref.WeakSet()
 
     def __init__(self, out: str | Path, wait: float = 2.0):
         self.out = Path(out)
@@ -141,12 +147,25 @@ class RunLock:
         if isinstance(fd, str):
             return fd
         self._fd = fd
+        RunLock._held.add(self)
         return None
 
     def release(self) -> None:
         if self._fd is not None and self._fd >= 0:
             os.close(self._fd)  # closing the folder drops its lock
         self._fd = None
+        RunLock._held.discard(self)
+
+    @staticmethod
+    def _forget_in_child() -> None:
+        """After a fork, in the child: close the inherited descriptors without unlocking. The flock
+        belongs to the open file, which the parent still holds open; closing a copy leaves it
+        locked, while LOCK_UN here would unlock it under the parent's feet."""
+        for lock in list(RunLock._held):
+            if lock._fd is not None and lock._fd >= 0:
+                os.close(lock._fd)
+            lock._fd = None
+        RunLock._held.clear()
 
     @staticmethod
     def holder(out: str | Path) -> str | None:
@@ -160,6 +179,10 @@ class RunLock:
         if fd >= 0:
             os.close(fd)
         return None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RunLock._forget_in_child)
 
 
 def _lock(folder: Path, exclusive: bool) -> int | str:

@@ -186,6 +186,38 @@ def test_looks_from_two_processes_at_once_never_refuse_each_other(tmp_path):
     assert outputs == ["0 [] True", "0 [] True"], outputs
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_without_exec_neither_keeps_the_lock_nor_drops_the_parents(tmp_path):
+    """A run forks a child that outlives it: the folder is free once the run ends. While the run
+    lives, a child that starts and ends does not unlock it."""
+    script = (f"import os, sys, time\n"
+              f"from stepfast.files import RunLock\n"
+              f"run = RunLock({str(tmp_path)!r})\n"
+              f"assert run.take() is None\n"
+              f"if os.fork() == 0:\n"
+              f"    os._exit(0)\n"
+              f"os.wait()\n"
+              f"print(RunLock.holder({str(tmp_path)!r}) is not None, flush=True)\n"
+              f"child = os.fork()\n"
+              f"if child == 0:\n"
+              f"    null = os.open(os.devnull, os.O_WRONLY)\n"
+              f"    os.dup2(null, 1), os.dup2(null, 2)\n"  # the test reads the parent's output to its end
+              f"    time.sleep(120)\n"
+              f"    os._exit(0)\n"
+              f"print(child, flush=True)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    still_held, child = proc.stdout.split()
+    try:
+        assert still_held == "True"  # the first child's exit left the parent's lock in place
+        assert RunLock.holder(tmp_path) is None  # the parent ended; its sleeping child holds nothing
+        run = RunLock(tmp_path, wait=0.2)
+        assert run.take() is None
+        run.release()
+    finally:
+        os.kill(int(child), 9)
+
+
 def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_path, monkeypatch):
     real_open = os.open
 
