@@ -208,26 +208,52 @@ def _lock(folder: Path, exclusive: bool) -> int | str:
     return fd
 
 
+_PROC_LOCKS = Path("/proc/locks")
+
+
 def _flock_holder(st: os.stat_result) -> str:
     """The process holding the exclusive flock on the file of `st`, from Linux's /proc/locks
     ('pid N: its command line'), or 'another process' where that cannot be read."""
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
-        lines = Path("/proc/locks").read_text().splitlines()
+        lines = _PROC_LOCKS.read_text().splitlines()
     except OSError:
         return ANOTHER
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    same_inode = []  # (pid, exact device)
     for line in lines:
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line carries "->", a look's READ
-        if (len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[3] == "WRITE"
-                and fields[5] == key):
-            pid = fields[4]
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                command = " ".join(argv.decode(errors="replace").split())
-            except OSError:
-                command = ""
-            if len(command) > 200:
-                command = command[:197] + "..."
-            return f"pid {pid}" + (f": {command}" if command else "")
-    return ANOTHER
+        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[3] == "WRITE":
+            dev, _, inode = fields[5].rpartition(":")
+            if inode == str(st.st_ino):
+                same_inode.append((fields[4], dev == device))
+    # On overlayfs and btrfs subvolumes /proc/locks may give another device than stat does: there,
+    # the holder is the process with the folder open.
+    pid = next((pid for pid, exact in same_inode if exact), None) or next(
+        (pid for pid, _ in same_inode if _has_open(pid, st)), None)
+    if pid is None:
+        return ANOTHER
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        command = " ".join(argv.decode(errors="replace").split())
+    except OSError:
+        command = ""
+    if len(command) > 200:
+        command = command[:197] + "..."
+    return f"pid {pid}" + (f": {command}" if command else "")
+
+
+def _has_open(pid: str, st: os.stat_result) -> bool:
+    """Whether process `pid` holds a descriptor of the file of `st` (False where it cannot be read)."""
+    try:
+        entries = list(os.scandir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            other = os.stat(entry.path)
+        except OSError:  # closed since, or not ours to read
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False

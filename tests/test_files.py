@@ -218,6 +218,33 @@ def test_a_child_forked_without_exec_neither_keeps_the_lock_nor_drops_the_parent
         os.kill(int(child), 9)
 
 
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="no /proc/locks on this platform")
+def test_the_holder_is_named_where_proc_locks_gives_another_device_than_stat(tmp_path, monkeypatch):
+    """overlayfs and btrfs subvolumes: /proc/locks shows a device number stat does not give. The
+    process with the folder open is named; one that only shares its inode number is not."""
+    from stepfast import files
+
+    folder = tmp_path / "run"
+    run = RunLock(folder)
+    assert run.take() is None
+    try:
+        st = folder.stat()
+        ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        real = Path("/proc/locks").read_text()
+        assert ours in real
+        other = f"ff:fe:{st.st_ino}"
+        fake = tmp_path / "locks"
+        monkeypatch.setattr(files, "_PROC_LOCKS", fake)
+        fake.write_text(real.replace(ours, other))
+        assert RunLock.holder(folder).startswith(f"pid {os.getpid()}: ")
+        fake.write_text(f"1: FLOCK  ADVISORY  WRITE 1 {other} 0 EOF\n" + real.replace(ours, other))
+        assert RunLock.holder(folder).startswith(f"pid {os.getpid()}: ")  # pid 1 has no descriptor of it
+        fake.write_text(f"1: FLOCK  ADVISORY  WRITE 1 {other} 0 EOF\n")
+        assert RunLock.holder(folder) == "another process"
+    finally:
+        run.release()
+
+
 def test_a_folder_that_cannot_be_opened_to_lock_is_not_held_and_not_refused(tmp_path, monkeypatch):
     real_open = os.open
 
