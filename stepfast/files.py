@@ -158,14 +158,11 @@ class RunLock:
 
     @staticmethod
     def _forget_in_child() -> None:
-        """After a fork, in the child: close the inherited descriptors without unlocking. The flock
-        belongs to the open file, which the parent still holds open; closing a copy leaves it
-        locked, while LOCK_UN here would unlock it under the parent's feet."""
+        """After a fork, in the child: release the inherited locks, which closes their descriptors
+        without unlocking. The flock belongs to the open file, which the parent still holds open;
+        closing a copy leaves it locked, while LOCK_UN here would unlock it under the parent's feet."""
         for lock in list(RunLock._held):
-            if lock._fd is not None and lock._fd >= 0:
-                os.close(lock._fd)
-            lock._fd = None
-        RunLock._held.clear()
+            lock.release()
 
     @staticmethod
     def holder(out: str | Path) -> str | None:
