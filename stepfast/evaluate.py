@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     weights.add_argument("--transformer", default=None, type=path_argument,
                          help="a fully fine-tuned transformer (a checkpoint's transformer/) to use instead")
     parser.add_argument("--prompts", default="test", type=path_argument,
-                        help="train | test | shapeeval:train | shapeeval:test | *_metadata.jsonl | prompts .txt "
-                             "(default: %(default)s)")
+                        help="train | test | shapeeval:train | shapeeval:test | shapeeval:mini | *_metadata.jsonl | "
+                             "prompts .txt (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=4,
                         help="images per prompt, seeds 0..N-1, and more where --min-images asks for them "
                              "(default: %(default)s)")

@@ -279,7 +279,7 @@ def test_bad_preset_and_yaml(tmp_path):
     assert "did you mean" not in str(err.value)  # nothing near it
     with pytest.raises(ConfigError) as err:  # a misspelt preset, as a misspelt key, gets the nearest
         load_config("flowgrpo")
-    assert str(err.value).endswith("sd3_medium_pickscore; did you mean --config flow_grpo?")
+    assert str(err.value).endswith("sd3_medium_pickscore, shapeeval_heldout; did you mean --config flow_grpo?")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: [1,\n")
     with pytest.raises(ConfigError) as err:  # one line, that names the file and the line in it
@@ -458,8 +458,8 @@ def test_stepwise_credit_without_shared_noise_is_warned_about():
 def test_a_warmup_or_an_evaluation_interval_past_the_run_is_warned_about():
     from stepfast.config import config_warnings
 
-    assert config_warnings(load_config("default", ["optim.warmup=40", "eval.every=40"])) == []  # reached at the end
-    first, second = config_warnings(load_config("default", ["optim.warmup=50", "eval.every=41"]))
+    assert config_warnings(load_config("default", ["iterations=40", "optim.warmup=40", "eval.every=40"])) == []  # reached
+    first, second = config_warnings(load_config("default", ["iterations=40", "optim.warmup=50", "eval.every=41"]))
     assert first == "optim.warmup=50 is longer than iterations=40: the learning rate never reaches optim.lr=0.001"
     assert second == "eval.every=41 is longer than iterations=40: no evaluation runs during training"
 
@@ -558,20 +558,21 @@ def test_changed_settings_name_each_key_with_both_values():
         "sde.window: [0, 9] -> null", "sde.timestep_fraction: 1.0 -> 0.99", "optim.lr: 0.0003 -> 0.001",
         "reward.weights: {shapes: 0.5} -> {shapes: 1.0}",
     ]
-    assert changed_settings(after, after) == [] and changed_settings(before, after, ignore=())[0] == "iterations: 40 -> 99"
+    assert changed_settings(after, after) == [] and changed_settings(before, after, ignore=())[0] == "iterations: 60 -> 99"
     # a string that reads as a number is quoted, as config.yaml writes it
     assert changed_settings(load_config("flow_grpo"), load_config("flow_grpo", ["log.wandb_project='1e3'"])) == [
         "log.wandb_project: stepfast -> '1e3'"]
 
 
 def test_the_readme_key_table_gives_the_code_defaults():
-    """Each row of the README's key table: its keys, in order, with the defaults of config.py."""
+    """Each row of the key table in docs/configuration.md: its keys, in order, with the defaults of
+    config.py."""
     import yaml
 
     from stepfast.config import Config, _get_dotted
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("| key | code default | what it does |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    table = doc.split("| key | code default | what it does |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
     defaults = Config()
     checked = 0
     for row in table.splitlines():

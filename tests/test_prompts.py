@@ -37,6 +37,15 @@ def test_named_shapeeval_sets(split):
     assert all(r.prompt == r.metadata["prompt"] for r in loaded)
 
 
+def test_the_mini_set_is_train_prompts_with_room_to_learn():
+    """shapeeval:mini, the default run's task, draws from the train split only (the held-out test
+    split stays held out), 8 prompts of ShapeEval's one-object and counting kinds."""
+    mini = [r.metadata for r in load_prompts("shapeeval:mini")]
+    train = load_metadata("train")
+    assert len(mini) == 8 and all(m in train for m in mini)
+    assert {m["tag"] for m in mini} == {"single_object", "counting", "colors"}
+
+
 def _error(path, exc_type=ValueError) -> str:
     with pytest.raises(exc_type) as info:
         load_prompts(path)

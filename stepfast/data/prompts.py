@@ -4,7 +4,8 @@
 * `.jsonl`: GenEval metadata (Flow-GRPO's `GenEvalPromptDataset`, files named
   `*_metadata.jsonl`): one JSON object per line holding at least a "prompt" string; the whole
   object is the prompt's metadata, handed to rewards that read it (GenEval, ShapeEval).
-* "shapeeval:train", "shapeeval:test": the ShapeEval metadata files shipped with stepfast.
+* "shapeeval:train", "shapeeval:test", "shapeeval:mini": the ShapeEval metadata files shipped with
+  stepfast (mini: 8 train prompts, the default run's task).
 
 Bad input raises an error that names the file, the line and what is wrong.
 """
@@ -16,10 +17,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepfast.data.shapeeval import TEST_METADATA, TRAIN_METADATA
+from stepfast.data.shapeeval import MINI_METADATA, TEST_METADATA, TRAIN_METADATA
 
 #: Names accepted in place of a path.
-NAMED_PROMPT_FILES: dict[str, Path] = {"shapeeval:train": TRAIN_METADATA, "shapeeval:test": TEST_METADATA}
+NAMED_PROMPT_FILES: dict[str, Path] = {
+    "shapeeval:train": TRAIN_METADATA, "shapeeval:test": TEST_METADATA, "shapeeval:mini": MINI_METADATA,
+}
 
 
 @dataclass(frozen=True)

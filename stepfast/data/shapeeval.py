@@ -78,6 +78,9 @@ POSITION_THRESHOLD = 0.1
 _DATA_DIR = Path(__file__).resolve().parent
 TRAIN_METADATA: Path = _DATA_DIR / "shapeeval_train_metadata.jsonl"
 TEST_METADATA: Path = _DATA_DIR / "shapeeval_test_metadata.jsonl"
+#: The default run's task: 8 train prompts (single_object, counting, colors) that the embedded model
+#: passes 6% to 69% of the time (40 ODE steps, CFG 4.5, 16 seeds), so that learning shows in minutes.
+MINI_METADATA: Path = _DATA_DIR / "shapeeval_mini_metadata.jsonl"
 
 SPLIT_SEED = 20240611
 TEST_FRACTION = 0.3
