@@ -105,7 +105,8 @@ def eval_iteration(tag: str, iterations: int) -> int | None:
     return int(digits) if tag.startswith("iter") and digits.isascii() and digits.isdigit() else None
 
 
-def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = None) -> None:
+def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = None,
+               measure: str = "held-out prompts") -> None:
     """The held-out overall scores at each evaluation (on [0, 1] when they all lie there, as pass rates
     and ShapeEval's scores do): markers, joined only when there are more than two; the title gives the
     gain before -> after and its standard error (`gain`: `held_out_gain(evals)`, when there is one)."""
@@ -137,13 +138,13 @@ def eval_curve(evals: dict, iterations: int, path: Path, gain: dict | None = Non
     if all(0 <= v <= 1 for v in values if v == v):  # pass rates and [0, 1] scores: their whole range
         ax.set_ylim(0, 1)
     _iteration_axis(ax, "iteration (0: before training)")
-    ax.set_ylabel("held-out score")
+    ax.set_ylabel("eval score")
     line = "" if gain is None else f"\nstrict, before -> after: {gain['gain']:+.3f}" + (
         f" ± {gain['se']:.3f} (one standard error)" if gain["se"] is not None else "")  # fmt: skip
     if len(segments) > 1:
         starts = ", ".join(str(seg[0][0]) for seg in segments[1:])
         line += f"\nother prompts or seeds from iteration {starts} (dotted): not joined"
-    ax.set_title(f"Held-out overall (mean of the categories){line}", fontsize=9)
+    ax.set_title(f"Eval overall on the {measure} (mean of the categories){line}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -212,22 +213,29 @@ def held_out_gain(evals: dict) -> dict | None:
 _UNSET = object()
 
 
-def gain_line(evals: dict, gain=_UNSET) -> str | None:
-    """What a run says of its held-out gain: the gain and its standard error (`held_out_gain`, or
-    `gain` when already computed from `evals`), or why there is none although both evaluations ran;
-    None when they did not both run."""
+def eval_measure(cfg) -> str:
+    """What a run's evaluation measures, in words: "held-out prompts", or, when it draws the training
+    prompts (with seeds that the rollout, whose noise comes from 63-bit hashes, never uses), that."""
+    return "training prompts, unseen seeds" if cfg.eval.prompts == cfg.rollout.prompts else "held-out prompts"
+
+
+def gain_line(evals: dict, gain=_UNSET, measure: str = "held-out prompts") -> str | None:
+    """What a run says of its eval gain on `measure` (`eval_measure`): the gain and its standard error
+    (`held_out_gain`, or `gain` when already computed from `evals`), or why there is none although
+    both evaluations ran; None when they did not both run."""
+    name = "held-out gain" if measure == "held-out prompts" else f"gain ({measure})"
     samples = [evals.get(tag, {}).get("samples") for tag in ("before", "after")]
     if not all(isinstance(s, list) and s for s in samples):  # not both run, or their images not kept
         return None
     gain = held_out_gain(evals) if gain is _UNSET else gain
     if gain is None:
         if not all(math.isfinite(s["strict"]) for part in samples for s in part):
-            return "held-out gain not computed: the eval reward gives no pass/fail (strict) to compare"
-        return ("held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval "
+            return f"{name} not computed: the eval reward gives no pass/fail (strict) to compare"
+        return (f"{name} not computed: the evaluations before and after drew other prompts or seeds (eval "
                 "settings changed at a resume?); the overall scores above are not of the same images")
     if gain["se"] is None:
-        return f"held-out gain {gain['gain']:+.3f} (one image a category: no standard error)"
-    return (f"held-out gain {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and "
+        return f"{name} {gain['gain']:+.3f} (one image a category: no standard error)"
+    return (f"{name} {gain['gain']:+.3f} ± {gain['se']:.3f} (one standard error over the prompts and "
             "seeds drawn)")
 
 
@@ -253,16 +261,18 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
         note = f" (hatched: the steps not trained, {', '.join(map(str, untrained))})" if untrained else ""
         lines += [f"Mean |reward gain| per denoising step over training{note}:", "", "![gains](gain_heatmap.png)", ""]
     gain = held_out_gain(evals)  # a bootstrap: once, for the plot and the summary
+    measure = eval_measure(cfg)
     if evals:
-        eval_curve(evals, cfg.iterations, report / "eval_curve.png", gain)
+        eval_curve(evals, cfg.iterations, report / "eval_curve.png", gain, measure)
         lines += ["![eval](eval_curve.png)", ""]
     for tag in ("before", "after"):
         if tag in evals:
-            lines += [f"## Held-out evaluation {tag} training", "", markdown_table(evals[tag]),
+            heading = "Held-out evaluation" if measure == "held-out prompts" else f"Evaluation ({measure})"
+            lines += [f"## {heading} {tag} training", "", markdown_table(evals[tag]),
                       "Overall is the mean of the categories, as GenEval's; n counts images (prompts x seeds).", ""]
     if "before" in evals and "after" in evals:
         b, a = evals["before"]["overall"]["strict"], evals["after"]["overall"]["strict"]
-        line = gain_line(evals, gain)  # why there is no standard error, or no gain, when the samples say
+        line = gain_line(evals, gain, measure)  # why there is no standard error, or no gain, when the samples say
         if gain is None and line:  # not of the same images, or no pass/fail: no difference to give
             lines += [line[0].upper() + line[1:] + ".", ""]
         elif gain is None or gain["se"] is None:
@@ -271,7 +281,7 @@ def write_report(out: Path, rows: list[dict], evals: dict, after: dict | None, c
                 lines += [line[0].upper() + line[1:] + "." + control_note(cfg), ""]
         else:
             lines += [f"**Overall (strict): {b:.3f} -> {a:.3f} ({a - b:+.3f} ± {gain['se']:.3f})**", "",
-                      "± one standard error of the gain over the held-out draws: a paired bootstrap of each "
+                      f"± one standard error of the gain over the eval draws ({measure}): a paired bootstrap of each "
                       f"category's prompts and their seeds ({gain['resamples']:,} resamples). Runs with another "
                       "training seed spread on top of it." + control_note(cfg), ""]  # fmt: skip
     if "after" in evals:

@@ -72,7 +72,7 @@ def parse_args(argv=None):
 
     presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
     epilog = textwrap.fill(
-        "Every key, its type and its default is in stepfast/config.py (README.md lists those set most); "
+        "Every key, its type and its default is in stepfast/config.py (docs/configuration.md lists those set most); "
         "--print-config shows what a preset and overrides resolve to. A run writes to output_dir "
         "(runs/<preset> in the presets): config.yaml, metrics.csv, tensorboard/, checkpoints/, report/; "
         "resume=auto continues its newest checkpoint."
@@ -436,9 +436,9 @@ class Trainer:
             bar.close()
         after = self.evaluate("after", keep_images=True) if cfg.eval.before_after else None
         if self.main:
-            from stepfast.report import gain_line, write_report
+            from stepfast.report import eval_measure, gain_line, write_report
 
-            if line := gain_line(self.evals):
+            if line := gain_line(self.evals, measure=eval_measure(cfg)):
                 print(f"stepfast: {line}")
             if cfg.log.report:
                 write_report(self.out, self.logger.rows, self.evals, after, cfg, self.trained_steps)

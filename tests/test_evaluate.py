@@ -109,6 +109,21 @@ def test_a_run_says_its_held_out_gain_or_why_it_has_none():
     assert gain_line({"before": {"samples": []}, "after": {"samples": []}}) is None  # no image records kept
 
 
+def test_a_run_names_what_its_evaluation_measures():
+    """The default run evaluates its training prompts (with seeds training never draws): its gain is
+    named so, where a run on other eval prompts says held-out."""
+    from stepfast.config import load_config
+    from stepfast.report import eval_measure, gain_line
+
+    assert eval_measure(load_config("default")) == "training prompts, unseen seeds"
+    assert eval_measure(load_config("shapeeval_heldout")) == "held-out prompts"
+    assert eval_measure(load_config("default", ["eval.prompts=shapeeval:test"])) == "held-out prompts"
+    before = records({("colors", "a"): [0, 1], ("counting", "b"): [1, 0]})
+    line = gain_line({"before": {"samples": before}, "after": {"samples": before}},
+                     measure="training prompts, unseen seeds")
+    assert line.startswith("gain (training prompts, unseen seeds) +0.000 ± 0.000 (one standard error")
+
+
 def test_paired_gain_standard_error_redraws_the_prompts_of_each_category():
     """With every seed of a prompt giving the same difference, only the prompt draw spreads the
     gain: its standard error is that of the mean over categories of each category's prompt mean,
@@ -722,7 +737,7 @@ def test_the_trainer_spreads_a_txt_file_of_eval_prompts_as_evaluate_does(tmp_pat
     random.Random(0).shuffle(texts)
     path = tmp_path / "test_prompts.txt"
     path.write_text("\n".join(texts) + "\n")
-    cfg = load_config("default", [f"eval.prompts={path}"])
+    cfg = load_config("shapeeval_heldout", [f"eval.prompts={path}"])
     fake = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), reward=None, world=1)
     setup = Trainer._eval_setup(fake, load_prompts(path))
     metas = heldout.spread_over_categories(ev.read_prompts(str(path)), cfg.eval.limit)

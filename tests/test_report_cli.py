@@ -217,14 +217,16 @@ def test_a_report_says_why_evaluations_that_do_not_pair_have_no_gain(run):
     evals = {**evals, "before": {**evals["before"], "samples": [{**sample, "seed": 0}]},
              "after": {**evals["after"], "samples": [{**sample, "seed": 4}]}}  # fmt: skip
     summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
-    assert ("Held-out gain not computed: the evaluations before and after drew other prompts or seeds (eval "
-            "settings changed at a resume?); the overall scores above are not of the same images.") in summary
+    assert ("Gain (training prompts, unseen seeds) not computed: the evaluations before and after drew other "
+            "prompts or seeds (eval settings changed at a resume?); the overall scores above are not of the same "
+            "images.") in summary
     assert "Overall (strict): " not in summary  # no difference of other images set out in bold above it
     # the same with no pass/fail to compare (a reward without one): no 'nan -> nan' either
     nan = {**sample, "strict": float("nan")}
     evals = {**evals, "before": {**evals["before"], "samples": [{**nan, "seed": 0}]},
              "after": {**evals["after"], "samples": [{**nan, "seed": 0}]}}  # fmt: skip
-    summary = (write_report(out, rows, evals, None, load_config("default", ["iterations=6"])) / "summary.md").read_text()
+    held_out = load_config("default", ["iterations=6", "eval.prompts=shapeeval:test"])
+    summary = (write_report(out, rows, evals, None, held_out) / "summary.md").read_text()
     assert "Held-out gain not computed: the eval reward gives no pass/fail (strict) to compare." in summary
     assert "Overall (strict): " not in summary
 
@@ -278,7 +280,8 @@ def test_the_evaluate_command_is_given_only_where_it_draws_the_evaluation_again(
         save_file(tensors, str(folder / "pytorch_lora_weights.safetensors"), metadata=metadata)
 
     def command(*overrides):
-        return evaluate_command(load_config("default", ["iterations=6", f"eval.prompts={prompts}", *overrides]), run)
+        return evaluate_command(load_config("default", ["iterations=6", f"eval.prompts={prompts}", "eval.limit=64",
+                                                        *overrides]), run)
 
     assert command() is None  # no checkpoint-000006
     lora(ckpt / "lora", config=False)
