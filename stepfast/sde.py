@@ -36,8 +36,8 @@ REDUCTIONS = ("mean", "sum", "tokens")
 #: its angle (cps); eta = 1 for ddim (see DEFAULT_ETA).
 DEFAULT_NOISE_LEVEL = {"flow_sde": 0.7, "cps": 0.7}
 #: The sources do not state eta. eta = 1 makes std = s sqrt(1 - t), the largest value that keeps
-#: std <= s (so sqrt(s^2 - std^2) stays real) at every step of any grid; on the default run it also
-#: did best of 0.5, 0.75 and 1 (README, "Choices the sources leave open").
+#: std <= s (so sqrt(s^2 - std^2) stays real) at every step of any grid; on the held-out benchmark
+#: it also did best of 0.5, 0.75 and 1 (docs/experiments.md).
 DEFAULT_ETA = 1.0
 #: A step whose std is below this carries no log-probability and no policy-gradient loss.
 DEGENERATE_STD = 1e-4

@@ -77,10 +77,10 @@ def test_every_shapeeval_word_is_one_token(embedded):
 
 
 def test_embedded_model_samples_images_that_follow_the_prompt(embedded):
-    """The shipped model draws what it is asked, except for its one known defect (the README's
+    """The shipped model draws what it is asked, except for its one known defect (docs/shapeeval.md's
     ShapeEval section): with guidance it draws a blank image for 'a photo of a green triangle'. That
     defect is pinned on its own, so that it cannot hide another failure here, and so that a model
-    without it fails here until the README's note goes too."""
+    without it fails here until that note goes too."""
     from stepfast.rewards import load
 
     prompts = ["a photo of a red circle", "a photo of a blue square", "a photo of two triangles",
@@ -95,7 +95,7 @@ def test_embedded_model_samples_images_that_follow_the_prompt(embedded):
     std = images.std(axis=(1, 2, 3))
     green = [i for i, p in enumerate(prompts) if p == "a photo of a green triangle"]
     others = [i for i in range(len(prompts)) if i not in green]
-    assert std[green].max() < 0.05, "the green-triangle defect is gone: drop this line and the README's note"
+    assert std[green].max() < 0.05, "the green-triangle defect is gone: drop this line and docs/shapeeval.md's note"
     assert std[others].min() > 0.05  # not blank
     scores = load("shapes").score((images[others] * 255).round().astype(np.uint8), [prompts[i] for i in others])
     # A random or untrained pipeline scores 0 here; the shipped one gets most of these right.

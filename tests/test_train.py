@@ -605,10 +605,10 @@ def test_cuda_run_uses_triton_and_the_graph_and_stays_on_policy(model_dir, tmp_p
         assert rows[0]["reward_std"] == pytest.approx(cpu["reward_std"], abs=1e-3)
 
 
-def test_deepspeed_settings_reach_the_engine_optimizer_offload_as_the_readme_shows():
-    """optim.deepspeed as the README's example, through a config override: the engine built from it
-    offloads the optimizer to the CPU (torch's AdamW runs there; DeepSpeed refuses it unless told
-    not to insist on its own compiled CPU Adam)."""
+def test_deepspeed_settings_reach_the_engine_optimizer_offload_as_documented():
+    """optim.deepspeed as the example in docs/configuration.md, through a config override: the engine
+    built from it offloads the optimizer to the CPU (torch's AdamW runs there; DeepSpeed refuses it
+    unless told not to insist on its own compiled CPU Adam)."""
     probe = ("import torch; from stepfast.config import load_config; from stepfast.engine import build_engine, "
              "init_distributed; init_distributed(); optim = load_config('default', ['optim.deepspeed="
              "{zero_optimization: {offload_optimizer: {device: cpu}}}']).optim; "

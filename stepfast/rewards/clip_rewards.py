@@ -1,7 +1,7 @@
 """Rewards built on CLIP: PickScore, CLIPScore and the LAION aesthetic predictor.
 
 Weights are read from local paths given in the options (`path`, `mlp_path`); nothing is downloaded.
-Get them once with `hf download REPO --local-dir DIR` (see the README):
+Get them once with `hf download REPO --local-dir DIR` (see docs/rewards.md):
 
 - pickscore: `yuvalkirstain/PickScore_v1` (model) and `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`
   (processor; PickScore was trained with that processor), as in Flow-GRPO.
