@@ -972,7 +972,7 @@ def test_help_names_the_presets_where_the_keys_are_and_what_a_run_writes(capsys)
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    assert len(presets) == 4 and f"preset name ({', '.join(presets)}; default: default)" in text
+    assert len(presets) == 5 and f"preset name ({', '.join(presets)}; default: default)" in text
     assert "Every key, its type and its default is in stepfast/config.py" in text and "checkpoints/" in text
 
 
@@ -1601,7 +1601,7 @@ def test_a_trainer_built_without_the_start_checks_refuses_untagged_prompts_too(m
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a circle\n")
-    cfg = load_config("default", [f"rollout.prompts={prompts}"])  # which balances categories
+    cfg = load_config("default", [f"rollout.prompts={prompts}", "rollout.balance_categories=true"])
     trainer = SimpleNamespace(cfg=cfg, prompts=load_prompts(str(prompts)))
     with pytest.raises(ConfigError, match=f"line 1 of {re.escape(str(prompts))}"):
         Trainer._strata(trainer)
