@@ -396,7 +396,9 @@ def test_print_config_shows_the_resolved_configuration_and_exits(capsys, tmp_pat
 def test_kl_penalty_needs_lora():
     with pytest.raises(ConfigError, match="optim.beta > 0 .* needs model.lora=true"):
         load_config("default", ["model.lora=false", "optim.beta=0.01"])
-    load_config("default", ["model.lora=false"])
+    with pytest.raises(ConfigError, match="optim.beta > 0 .* needs model.lora=true"):
+        load_config("default", ["model.lora=false"])  # the default keeps Flow-GRPO's KL
+    load_config("default", ["model.lora=false", "optim.beta=0"])
 
 
 def test_deepspeed_settings_merge_into_the_shipped_config():

@@ -42,7 +42,7 @@ def rollout(tmp_path, members: int, clip_range: float):
     model = tiny_pipeline_dir(tmp_path, seed=0)
     cfg = load_config("default", [f"model.path={model}", "sde.steps=4", "sde.min_std=0.0001", "rollout.groups=1",
                                   f"rollout.group_size={members}", "rollout.micro_batch=2", "rollout.cfg=1.0",
-                                  f"optim.clip_range={clip_range}"])  # fmt: skip
+                                  f"optim.clip_range={clip_range}", "optim.beta=0"])  # fmt: skip
     pipe = load_pipeline(model)
     pipe.transformer.requires_grad_(True)
     cond = encode_prompts(pipe, ["a photo of a red circle"] * members, cfg.rollout.cfg, torch.device("cpu"))

@@ -295,7 +295,7 @@ def test_the_evaluate_command_is_given_only_where_it_draws_the_evaluation_again(
     lora(ckpt / "lora_ema", config=True)
     assert str(ckpt / "lora_ema") in command("optim.ema=0.9")
     (ckpt / "transformer").mkdir()
-    assert f"--transformer '{(ckpt / 'transformer').resolve()}'" in command("model.lora=false")
+    assert f"--transformer '{(ckpt / 'transformer').resolve()}'" in command("model.lora=false", "optim.beta=0")
     assert command("eval.reward=jpeg_compressibility") is None
     assert command("reward.options.shapes.threshold=0.3") is None and command("model.dtype=bf16") is None
     assert command("reward.options.shapes.device=cpu") is not None

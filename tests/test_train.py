@@ -1467,10 +1467,10 @@ def test_the_settings_a_checkpoint_is_laid_out_by_are_compared_by_layout(tmp_pat
     assert problem("model.lora_targets=[attn.to_v, attn.to_q]") is None and problem("optim.lr=0.5") is None
     assert "cannot continue with other optim.zero_stage: 2 -> 3 (its settings: " in problem("optim.zero_stage=3")
     assert "model.lora_targets: [attn.to_q, attn.to_v] -> [attn.to_q]" in problem("model.lora_targets=[attn.to_q]")
-    assert "model.lora: true -> false" in problem("model.lora=false")
+    assert "model.lora: true -> false" in problem("model.lora=false", "optim.beta=0")
     assert "optim.precision: fp32 -> bf16" in problem("optim.precision=bf16")
-    (run / "config.yaml").write_text(to_yaml(load_config("default", [*written, "model.lora=false"])))
-    assert problem("model.lora=false", "model.lora_rank=4") is None  # no adapter on either side
+    (run / "config.yaml").write_text(to_yaml(load_config("default", [*written, "model.lora=false", "optim.beta=0"])))
+    assert problem("model.lora=false", "optim.beta=0", "model.lora_rank=4") is None  # no adapter on either side
 
 
 @pytest.mark.parametrize("damage, overrides, message", [
