@@ -214,6 +214,10 @@ def verdict(a: tuple[float, float], b: tuple[float, float]) -> str:
     return f"{diff:+.3f} ± {se:.3f}: {'confirmed' if diff > 0 else 'refuted'}"
 
 
+def claim_name(claim: dict) -> str:
+    return claim.get("claim") or "{} beats {}".format(*claim["runs"])
+
+
 def summarise(spec: Spec, out: Path) -> dict:
     """Every finished run's curve, per configuration the mean ± se over seeds, and the claims."""
     curves = {run: {s: c for s in spec.seeds if (c := read_curve(run_dir(out, run, s), spec.metric))}
@@ -249,7 +253,7 @@ def summarise(spec: Spec, out: Path) -> dict:
         a, b = claim["runs"]
         if a in done and b in done:
             summary["claims"].append({
-                "claim": claim.get("claim", f"{a} beats {b}"), "runs": [a, b],
+                "claim": claim_name(claim), "runs": [a, b],
                 "per_iteration": verdict(done[a]["gain"], done[b]["gain"]),
                 "per_second": verdict(done[a]["at_equal_seconds"], done[b]["at_equal_seconds"]),
             })
@@ -270,6 +274,7 @@ def markdown(spec: Spec, summary: dict, command: str, host: str) -> str:
              f"`{shlex.join(spec.common) or '(none)'}`.", ""]
     if not runs:
         return "\n".join(lines + ["No run has finished yet."]) + "\n"
+    baseline = next(iter(spec.runs))
     iters = sorted({i for r in runs.values() for i in r["iterations"]})
     head = ["run", "overrides", "seeds", *(f"it {i}" for i in iters), "gain", "s/it",
             f"at {summary['equal_seconds']:.0f} s", "s to baseline"]
@@ -279,9 +284,10 @@ def markdown(spec: Spec, summary: dict, command: str, host: str) -> str:
         cells = [name, f"`{shlex.join(spec.runs[name]) or '(default)'}`", str(len(r["seeds"])),
                  *(_pm(at[i]) if i in at else "" for i in iters),
                  _pm(r["gain"], signed=True), f"{r['s_per_it'][0]:.2f}", _pm(r["at_equal_seconds"]),
-                 "not reached" if r["to_baseline"] is None else f"{r['to_baseline']:.0f}"]
+                 "(baseline not run)" if baseline not in runs
+                 else "not reached" if r["to_baseline"] is None else f"{r['to_baseline']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Baseline: `{next(iter(spec.runs))}`; 's to baseline': training seconds until the mean "
+    lines += ["", f"Baseline: `{baseline}`; 's to baseline': training seconds until the mean "
               "curve first reaches the baseline's final value.", "", "![curves](curves.png)", ""]
     if summary["claims"]:
         lines += ["| claim | per iteration (final gain, A - B) | at equal training time (A - B) |",
@@ -289,6 +295,9 @@ def markdown(spec: Spec, summary: dict, command: str, host: str) -> str:
         lines += [f"| {c['claim']} (`{c['runs'][0]}` vs `{c['runs'][1]}`) | {c['per_iteration']} | "
                   f"{c['per_second']} |" for c in summary["claims"]]
         lines += ["", "A difference within two standard errors is not separable at this scale."]
+    decided = {c["claim"] for c in summary["claims"]}
+    if waiting := [name for c in spec.claims if (name := claim_name(c)) not in decided]:
+        lines += ["", "Waiting for runs: " + "; ".join(waiting) + "."]
     return "\n".join(lines) + "\n"
 
 

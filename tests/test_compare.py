@@ -120,6 +120,11 @@ def test_a_run_not_finished_is_left_out_and_trained_by_main(tmp_path, monkeypatc
     saved = json.loads((out / "results.json").read_text())
     assert saved["runs"]["base"]["seeds"] == [0, 1] and (out / "curves.png").stat().st_size > 0
     assert "| base |" in (out / "results.md").read_text()
+    summary = compare.summarise(compare.read_spec(spec_path), out)
+    del summary["runs"]["base"]  # a comparison whose baseline has not run yet says so
+    summary["claims"] = []
+    text = compare.markdown(compare.read_spec(spec_path), summary, "cmd", "host")
+    assert "(baseline not run)" in text and "Waiting for runs: better beats base." in text
     trained.clear()
     assert compare.main([str(spec_path), "--out", str(out)]) == 0 and trained == []  # all done: nothing to train
 
