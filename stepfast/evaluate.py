@@ -107,7 +107,7 @@ def write_results(result: dict, out: Path, columns: int) -> None:
     files = {"results.json": lambda p: p.write_text(json.dumps(serialisable, indent=2) + "\n"),
              "results.md": lambda p: p.write_text(heldout.markdown_table(result))}  # fmt: skip
     if "images" in result:
-        grid = heldout.sample_grid(result["images"], result["samples"], columns, title="Held-out samples")
+        grid = heldout.sample_grid(result["images"], result["samples"], columns, title="Samples")
         files["samples.png"] = lambda p: grid.save(p, format="PNG")
     for name, write in files.items():
         write_atomically(out / name, write)

@@ -394,8 +394,9 @@ def save_grid(out: Path, tag: str, result: dict, cfg) -> Path:
     from stepfast.heldout import sample_grid
     from stepfast.files import write_atomically
 
+    title = f"Samples {tag} training ({eval_measure(cfg)})"
     grid = sample_grid(result["images"], result["samples"], columns=len(result["settings"]["seeds"]),
-                       max_rows=cfg.log.grid_prompts, title=f"Held-out samples {tag} training")  # fmt: skip
+                       max_rows=cfg.log.grid_prompts, title=title)  # fmt: skip
     path = Path(out) / "report" / f"samples_{tag}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, lambda tmp: grid.save(tmp, format="PNG"))
