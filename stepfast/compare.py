@@ -313,7 +313,8 @@ def plot(summary: dict, path: Path) -> None:
         se = [0.0 if math.isnan(v[1]) else v[1] for v in r["values"]]
         for ax, x in zip(axes, (r["iterations"], r["seconds"])):
             seeds = len(r["seeds"])
-            ax.plot(x, mean, "o-", color=f"C{n}", label=f"{name} ({seeds} seed{'s' if seeds > 1 else ''})", markersize=3)
+            label = f"{name} ({seeds} seed{'s' if seeds > 1 else ''})"
+            ax.plot(x, mean, "o-", color=f"C{n}", label=label, markersize=3)
             ax.fill_between(x, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)],
                             color=f"C{n}", alpha=0.2)
     axes[0].set_xlabel("iteration")
@@ -340,7 +341,7 @@ def host_line() -> str:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"Commit {git('rev-parse', '--short', 'HEAD')}{dirty}; {time.strftime('%Y-%m-%d')}; "
+    return (f"Written at commit {git('rev-parse', '--short', 'HEAD')}{dirty}; {time.strftime('%Y-%m-%d')}; "
             f"{os.cpu_count()} cores of {cpu}.")
 
 
@@ -372,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: no run named {unknown[0]!r} in {args.spec} (runs: {', '.join(spec.runs)})")
     out = args.out or ROOT / "benchmarks" / "results" / f"compare-{spec.name}"
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "-m", "stepfast.compare", *(argv if argv is not None else sys.argv[1:])])
+    # the command that makes these results (--only and --summarise choose what to run, not what they are)
+    out_args = ["--out", str(args.out)] if args.out else []
+    command = shlex.join(["python", "-m", "stepfast.compare", str(args.spec), *out_args])
     ranks = args.ranks or _cuda_devices() or 2
     plan = [(run, seed) for seed in spec.seeds for run in only]
     todo = [(run, seed) for run, seed in plan if not (run_dir(out, run, seed) / "done.json").exists()]
